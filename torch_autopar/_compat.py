@@ -1,0 +1,151 @@
+"""The one adapter between torch_autopar and PyTorch's private APIs.
+
+Everything torch_autopar touches under ``torch._*`` or ``torch.distributed.*._*`` is imported here and only
+here, so a PyTorch upgrade breaks this file and not twenty. Each helper is small and documented with the
+public behaviour it stands for. This module must never import another torch_autopar module (except errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch._functorch._aot_autograd import descriptors as _desc
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors, make_boxed_func
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.utils import flop_counter as _flop_counter
+
+__all__ = [
+    "DTensorSpec", "FakeTensor", "FakeTensorMode", "TensorMeta", "make_boxed_func",
+    "export_joint", "input_kind", "grad_target", "tangent_output_index", "output_index",
+    "propagate_sharding", "node_flops", "queue_backward_callback", "fake_store", "aot_autograd_backend",
+    "register_dynamo_backend", "functional_all_reduce", "functional_wait", "DynamoUnsupported",
+]
+
+
+def export_joint(module: torch.nn.Module, args: tuple, kwargs: dict | None):
+    """Trace ``module(*args, **kwargs)`` and its backward into one aten-level FX graph (dynamo front end).
+
+    Returns the joint ``GraphModule`` whose placeholders/outputs carry ``meta["desc"]`` descriptors
+    (parameter, buffer, user input, tangent / forward output, gradient of a parameter).
+    """
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, module, args, kwargs or {})
+        return joint.graph_module, joint.out_spec
+
+
+def input_kind(desc: Any) -> str:
+    """Classify a placeholder descriptor: "param", "buffer", "input", "tangent" or "other"."""
+    if isinstance(desc, _desc.ParamAOTInput):
+        return "param"
+    if isinstance(desc, _desc.BufferAOTInput):
+        return "buffer"
+    if isinstance(desc, _desc.PlainAOTInput):
+        return "input"
+    if isinstance(desc, _desc.TangentAOTInput):
+        return "tangent"
+    return "other"
+
+
+def user_input_index(desc: Any) -> int | None:
+    """Flat index of a user input placeholder among the user's (args, kwargs) leaves."""
+    return desc.idx if isinstance(desc, _desc.PlainAOTInput) else None
+
+
+def grad_target(desc: Any) -> str | None:
+    """For a graph output that is the gradient of a parameter or buffer, its fully qualified name."""
+    if isinstance(desc, _desc.GradAOTOutput) and isinstance(desc.grad_of, (_desc.ParamAOTInput, _desc.BufferAOTInput)):
+        return desc.grad_of.target
+    return None
+
+
+def output_index(desc: Any) -> int | None:
+    """For a graph output that is a user (forward) output, its flat index among the model's output leaves."""
+    return desc.idx if isinstance(desc, _desc.PlainAOTOutput) else None
+
+
+def tangent_output_index(desc: Any) -> int | None:
+    """For a tangent placeholder, the flat index of the forward output it is the gradient for."""
+    if isinstance(desc, _desc.TangentAOTInput):
+        return output_index(desc.output)
+    return None
+
+
+def propagate_sharding(op, args_schema: tuple, kwargs_schema: dict):
+    """Run DTensor's registered sharding rule for ``op`` on specs; returns its ``OutputSharding``."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    return propagator.propagate_op_sharding(OpSchema(op, args_schema, kwargs_schema))
+
+
+def has_sharding_rule(op) -> bool:
+    """Whether DTensor has a registered sharding strategy or rule for this aten overload."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    tables = [propagator.op_strategy_funcs, propagator.op_to_rules,
+              getattr(propagator, "op_single_dim_strategy_funcs", {}) or {}]
+    return any(op in table for table in tables)
+
+
+def node_flops(op, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one aten op call, from ``torch.utils.flop_counter``'s registry (0 for ops it has no formula for)."""
+    packet = getattr(op, "overloadpacket", None)
+    formula = _flop_counter.flop_registry.get(packet)
+    if formula is None:
+        return 0
+    return int(formula(*args, out_val=out, **kwargs))
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the autograd engine finishes the current backward pass (as DDP does)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def fake_store():
+    """A store for ``dist.init_process_group("fake", ...)``: plans for N ranks in one process, no traffic."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def aot_autograd_backend(fw_compiler: Callable, bw_compiler: Callable) -> Callable:
+    """A dynamo backend that splits the captured graph into aten forward/backward graphs for the compilers."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+
+
+def register_dynamo_backend(name: str, fn: Callable) -> None:
+    """Make ``torch.compile(model, backend=name)`` call ``fn(graph_module, example_inputs)``."""
+    from torch._dynamo.backends import registry
+
+    if name not in registry._COMPILER_FNS:
+        registry.register_backend(compiler_fn=fn, name=name)
+
+
+def dynamo_unsupported_errors() -> tuple[type, ...]:
+    """Exception types dynamo raises when it cannot capture a forward as one graph."""
+    from torch._dynamo import exc
+
+    return (exc.Unsupported, exc.UserError, exc.TorchRuntimeError)
+
+
+DynamoUnsupported = dynamo_unsupported_errors
+
+
+def functional_all_reduce(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """Asynchronous, traceable all-reduce (``_c10d_functional``); pair it with ``functional_wait``."""
+    return torch.ops._c10d_functional.all_reduce.default(tensor, op, group_name)
+
+
+def functional_wait(tensor: torch.Tensor) -> torch.Tensor:
+    """Wait for a functional collective's result."""
+    return torch.ops._c10d_functional.wait_tensor.default(tensor)
+
+
+def group_name(group: dist.ProcessGroup) -> str:
+    """The registered name of a process group, as functional collectives expect it."""
+    return group.group_name

@@ -1,0 +1,139 @@
+"""The public entry points ``compile`` and ``plan``: capture → strategies/cost → search → Plan → runtime.
+
+Thin by design: every decision lives in a stage. Must never contain planning or execution logic of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from torch_autopar import launch
+from torch_autopar.capture import capture, fake_global_inputs
+from torch_autopar.capture.program import TensorInfo
+from torch_autopar.cost import get_profile
+from torch_autopar.errors import AutoparError
+from torch_autopar.runtime import ParallelModule
+from torch_autopar.runtime.modes import MODES
+from torch_autopar.search import Plan, build_plan, check_strategy
+from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES
+
+
+def _as_tuple(example_inputs) -> tuple:
+    if example_inputs is None:
+        return ()
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
+def module_fingerprint(module: torch.nn.Module) -> str:
+    """The fingerprint a plan for ``module`` carries (parameter names, shapes, dtypes)."""
+    from torch_autopar.capture import CapturedProgram
+
+    params = {name: TensorInfo.of(p) for name, p in module.named_parameters()}
+    return CapturedProgram.fingerprint(type("P", (), {"params": params})())
+
+
+def _global_batch(args, kwargs) -> int | None:
+    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1:
+            return int(leaf.shape[0])
+    return None
+
+
+def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes):
+    fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, batch_factor)
+    program = capture(module, fake_args, fake_kwargs)
+    names = mesh.mesh_dim_names or launch.default_axis_names(mesh.ndim)
+    return build_plan(program, mesh, names, strategy=strategy, hardware=get_profile(hardware),
+                      memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
+                      global_batch=_global_batch(fake_args, fake_kwargs))
+
+
+def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h100", strategy="auto",
+         memory_budget=None, axis_names=None, example_kwargs=None,
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> Plan:
+    """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK)."""
+    check_strategy(strategy)
+    if isinstance(strategy, Plan):
+        return strategy
+    with launch.offline_mesh(mesh_shape, axis_names) as mesh:
+        return _plan_on_mesh(model, _as_tuple(example_inputs), dict(example_kwargs or {}), mesh, batch_factor=1,
+                             strategy=strategy, hardware=hardware, memory_budget=memory_budget,
+                             bucket_cap_bytes=bucket_cap_bytes)
+
+
+class _Planner:
+    """Plans a module for this job's ranks from the inputs of one call (this rank's slice)."""
+
+    def __init__(self, mesh, strategy, hardware, memory_budget, full_batch, bucket_cap_bytes):
+        self.mesh, self.strategy, self.hardware = mesh, strategy, hardware
+        self.memory_budget, self.full_batch, self.bucket_cap_bytes = memory_budget, full_batch, bucket_cap_bytes
+
+    def __call__(self, module, args, kwargs) -> Plan:
+        world = launch.get_world_size() if launch.is_initialized() else 1
+        if isinstance(self.strategy, Plan):
+            self.strategy.check_compatible(module_fingerprint(module), world)
+            return self.strategy
+        factor = 1 if self.full_batch else world
+        if not launch.is_initialized():
+            with launch.offline_mesh((1,) if self.mesh is None else self.mesh) as mesh:
+                return self._plan(module, args, kwargs, mesh, factor)
+        return self._plan(module, args, kwargs, launch.resolve_mesh(self.mesh, world), factor)
+
+    def _plan(self, module, args, kwargs, mesh, factor) -> Plan:
+        return _plan_on_mesh(module, args, kwargs, mesh, batch_factor=factor, strategy=self.strategy,
+                             hardware=self.hardware or "cpu-gloo", memory_budget=self.memory_budget,
+                             bucket_cap_bytes=self.bucket_cap_bytes)
+
+
+def _check_options(strategy, mode, mesh) -> None:
+    check_strategy(strategy)
+    if mode is not None and mode not in MODES:
+        raise AutoparError(f"mode={mode!r}: expected one of {MODES} or None (use the global mode).")
+    world = launch.get_world_size() if launch.is_initialized() else 1
+    if mesh is not None and not isinstance(mesh, torch.distributed.device_mesh.DeviceMesh):
+        shape = (mesh,) if isinstance(mesh, int) else tuple(mesh)
+        if math.prod(shape) != world:
+            raise AutoparError(
+                f"mesh={shape} has {math.prod(shape)} devices but this job has {world} ranks; the mesh must cover "
+                "every rank (launch with torchrun --nproc-per-node matching the mesh)."
+            )
+
+
+def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memory_budget=None, hardware=None,
+            mode=None, full_batch: bool = False, example_kwargs=None,
+            bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES):
+    """Plan ``model`` for this job's ranks and return a module that runs the plan (also a class decorator).
+
+    example_inputs: what this rank will pass (its slice of the global batch); None plans at the first call.
+    """
+    options = dict(mesh=mesh, strategy=strategy, memory_budget=memory_budget, hardware=hardware, mode=mode,
+                   full_batch=full_batch, bucket_cap_bytes=bucket_cap_bytes)
+    if model is None:
+        return lambda target: compile(target, example_inputs, example_kwargs=example_kwargs, **options)
+    if isinstance(model, type) and issubclass(model, torch.nn.Module):
+        return _decorate_class(model, options)
+    if not isinstance(model, torch.nn.Module):
+        raise AutoparError(f"compile() expected an nn.Module instance or subclass, found {type(model).__name__}.")
+    _check_options(strategy, mode, mesh)
+    if isinstance(mesh, int):
+        options["mesh"] = (mesh,)
+    planner = _Planner(options["mesh"], strategy, hardware, memory_budget, full_batch, bucket_cap_bytes)
+    parallel = ParallelModule(model, planner=planner, mode=mode, full_batch=full_batch)
+    if example_inputs is not None or example_kwargs:
+        parallel.prepare(_as_tuple(example_inputs), dict(example_kwargs or {}))
+    return parallel
+
+
+def _decorate_class(cls: type, options: dict) -> type:
+    """``@autopar.compile`` on a Module subclass: constructing it returns the compiled module."""
+
+    class Compiled(cls):
+        def __new__(klass, *args, **kwargs):
+            return compile(cls(*args, **kwargs), **options)
+
+    functools.update_wrapper(Compiled, cls, updated=())
+    return Compiled
+

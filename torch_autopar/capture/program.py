@@ -1,0 +1,158 @@
+"""Capture a module's forward and backward into a ``CapturedProgram`` (joint graph + what each input is)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from torch_autopar import _compat
+from torch_autopar.errors import AutoparError
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Shape and dtype of one tensor, without its data."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> "TensorInfo":
+        return TensorInfo(tuple(int(s) for s in tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass(kw_only=True)
+class CapturedProgram:
+    """The joint forward+backward graph of one model call, with its inputs and outputs identified."""
+
+    graph: fx.GraphModule
+    """Joint aten graph: placeholders are params, buffers, user inputs, tangents; outputs are forward
+    outputs followed by gradients. Every node carries ``meta["val"]`` (a fake or meta tensor)."""
+    params: dict[str, TensorInfo]
+    """Trainable parameters by fully qualified name, in the module's registration order."""
+    buffers: dict[str, TensorInfo]
+    param_nodes: dict[str, fx.Node]
+    buffer_nodes: dict[str, fx.Node]
+    input_nodes: dict[int, fx.Node]
+    """User input placeholders keyed by their flat index among the (args, kwargs) leaves."""
+    tangent_nodes: dict[fx.Node, int]
+    """Tangent placeholder → flat index of the forward output it is the gradient of."""
+    output_nodes: dict[int, fx.Node]
+    """Forward output leaves (flat index → node); non-tensor outputs are absent."""
+    grad_nodes: dict[str, fx.Node] = field(default_factory=dict)
+    """Parameter name → node computing its gradient (absent when the parameter gets no gradient)."""
+
+    def grad_ready_order(self) -> list[str]:
+        """Parameters in the order their gradients become final during backward (earliest first)."""
+        position = {node: i for i, node in enumerate(self.graph.graph.nodes)}
+        named = sorted(self.grad_nodes.items(), key=lambda item: position[item[1]])
+        return [name for name, _ in named]
+
+    def is_backward(self, node: fx.Node) -> bool:
+        """Whether ``node`` belongs to the backward pass (depends on a tangent)."""
+        return node in self._backward_nodes()
+
+    def _backward_nodes(self) -> set[fx.Node]:
+        cached = getattr(self, "_backward_cache", None)
+        if cached is None:
+            cached = set(self.tangent_nodes)
+            for node in self.graph.graph.nodes:
+                if any(arg in cached for arg in node.all_input_nodes):
+                    cached.add(node)
+            self._backward_cache = cached
+        return cached
+
+    def fingerprint(self) -> str:
+        """Identifies the model's parameters (names, shapes, dtypes): a plan is only valid for this."""
+        text = ";".join(f"{name}:{info.shape}:{info.dtype}" for name, info in self.params.items())
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _param_device(module: torch.nn.Module) -> torch.device:
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def fake_global_inputs(module: torch.nn.Module, args: tuple, kwargs: dict, batch_factor: int):
+    """Shape-only copies of the inputs with dim 0 of every tensor multiplied by ``batch_factor``.
+
+    Meta tensors for a meta-device model, fake tensors otherwise: no input data is read or allocated.
+    """
+    device = _param_device(module)
+    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True) if device.type != "meta" else None
+
+    def scale(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        shape = list(leaf.shape)
+        if shape:
+            shape[0] *= batch_factor
+        if fake_mode is None:
+            return torch.empty(shape, dtype=leaf.dtype, device="meta")
+        with fake_mode:
+            return torch.empty(shape, dtype=leaf.dtype, device=device)
+
+    return pytree.tree_map(scale, (tuple(args), dict(kwargs)))
+
+
+def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedProgram:
+    """Trace ``module(*args, **kwargs)`` with its backward; ``args`` should be fake or meta tensors."""
+    try:
+        graph, _ = _compat.export_joint(module, tuple(args), kwargs or {})
+    except _compat.DynamoUnsupported() as error:
+        raise AutoparError(
+            f"could not capture {type(module).__name__}.forward as one graph: {str(error).splitlines()[0]}. "
+            "Planning and graph mode need a forward without data-dependent Python control flow; "
+            "run it in eager mode (autopar.set_mode('eager')) with an explicit strategy such as 'data_parallel', "
+            "or make the branch a tensor operation (torch.where)."
+        ) from error
+    return _describe(graph)
+
+
+def _describe(graph: fx.GraphModule) -> CapturedProgram:
+    program = CapturedProgram(graph=graph, params={}, buffers={}, param_nodes={}, buffer_nodes={},
+                              input_nodes={}, tangent_nodes={}, output_nodes={})
+    for node in graph.graph.find_nodes(op="placeholder"):
+        _describe_placeholder(program, node)
+    output = graph.graph.find_nodes(op="output")[0]
+    for value, desc in zip(output.args[0], output.meta["desc"]):
+        if value is None:
+            continue
+        name = _compat.grad_target(desc)
+        if name is not None:
+            program.grad_nodes[name] = value
+        elif (index := _compat.output_index(desc)) is not None:
+            program.output_nodes[index] = value
+    return program
+
+
+def _describe_placeholder(program: CapturedProgram, node: fx.Node) -> None:
+    desc = node.meta["desc"]
+    kind = _compat.input_kind(desc)
+    value = node.meta.get("val")
+    if kind == "param":
+        program.params[desc.target] = TensorInfo.of(value)
+        program.param_nodes[desc.target] = node
+    elif kind == "buffer":
+        program.buffers[desc.target] = TensorInfo.of(value)
+        program.buffer_nodes[desc.target] = node
+    elif kind == "input":
+        program.input_nodes[_compat.user_input_index(desc)] = node
+    elif kind == "tangent":
+        program.tangent_nodes[node] = _compat.tangent_output_index(desc)

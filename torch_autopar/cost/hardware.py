@@ -1,0 +1,108 @@
+"""Hardware profiles: peak compute, memory bandwidth and capacity, and the links between devices.
+
+Figures are from vendor datasheets (dense, no sparsity) unless marked "measured". ``efficiency`` scales peaks to
+what large kernels reach in practice. Profiles load from and save to JSON so a measured profile
+(``autopar.profile()``, later) is accepted wherever a built-in name is. Must never measure anything itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from torch_autopar.errors import AutoparError
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One kind of connection: ``latency_s`` per message hop (alpha) and ``bandwidth`` bytes/s per device."""
+
+    latency_s: float
+    bandwidth: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareProfile:
+    name: str
+    flops: dict = field(default_factory=dict)
+    """Peak FLOP/s per dtype name ("float32", "bfloat16", "float16")."""
+    memory_bandwidth: float
+    """Device memory bytes/s (roofline for memory-bound ops)."""
+    memory_bytes: int
+    """Device memory capacity, the default memory budget."""
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    compute_efficiency: float = 0.6
+    comm_efficiency: float = 0.8
+    op_overhead_s: float = 5e-6
+    """Fixed cost per kernel/op launch."""
+    source: str = "datasheet"
+
+    def peak_flops(self, dtype: str) -> float:
+        return self.flops.get(dtype) or self.flops["float32"]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @staticmethod
+    def from_dict(data: dict) -> "HardwareProfile":
+        data = dict(data)
+        data["intra_node"] = Link(**data["intra_node"])
+        data["inter_node"] = Link(**data["inter_node"])
+        return HardwareProfile(**data)
+
+
+_GB = 1e9
+_GIB = 1 << 30
+
+PROFILES: dict[str, HardwareProfile] = {
+    # NVIDIA A100 SXM4 80GB: 312 TFLOP/s bf16, 19.5 fp32; HBM2e 2.0 TB/s; NVLink3 300 GB/s per direction;
+    # one HDR InfiniBand 200 Gb/s (25 GB/s) NIC per GPU.
+    "a100": HardwareProfile(
+        name="a100", flops={"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
+        memory_bandwidth=2.0e12, memory_bytes=80 * _GIB, devices_per_node=8,
+        intra_node=Link(3e-6, 300 * _GB), inter_node=Link(10e-6, 25 * _GB)),
+    # NVIDIA H100 SXM5 80GB: 989 TFLOP/s bf16, 67 fp32; HBM3 3.35 TB/s; NVLink4 450 GB/s per direction;
+    # one NDR InfiniBand 400 Gb/s (50 GB/s) NIC per GPU.
+    "h100": HardwareProfile(
+        name="h100", flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
+        memory_bandwidth=3.35e12, memory_bytes=80 * _GIB, devices_per_node=8,
+        intra_node=Link(3e-6, 450 * _GB), inter_node=Link(10e-6, 50 * _GB)),
+    # NVIDIA H200 SXM 141GB: H100's compute; HBM3e 4.8 TB/s; same NVLink4 and NDR fabric.
+    "h200": HardwareProfile(
+        name="h200", flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
+        memory_bandwidth=4.8e12, memory_bytes=141 * _GIB, devices_per_node=8,
+        intra_node=Link(3e-6, 450 * _GB), inter_node=Link(10e-6, 50 * _GB)),
+    # Huawei Ascend 910B (B2): ~376 TFLOP/s fp16/bf16 (fp32 ~94 by the cube unit); HBM2e 64 GB at 1.6 TB/s;
+    # HCCS 56 GB/s per link x 7 peers in an 8-NPU node (~392 GB/s); RoCE 200 Gb/s (25 GB/s) per NPU.
+    "ascend-910b": HardwareProfile(
+        name="ascend-910b", flops={"float32": 94e12, "bfloat16": 376e12, "float16": 376e12},
+        memory_bandwidth=1.6e12, memory_bytes=64 * _GIB, devices_per_node=8,
+        intra_node=Link(5e-6, 392 * _GB), inter_node=Link(15e-6, 25 * _GB)),
+    # A 2-core x86 machine running gloo over loopback, rough figures measured here (one rank per core):
+    # ~30 GFLOP/s fp32 matmul per rank, ~10 GB/s memory, gloo ~60 us per hop and ~1.5 GB/s.
+    "cpu-gloo": HardwareProfile(
+        name="cpu-gloo", flops={"float32": 30e9, "bfloat16": 10e9}, memory_bandwidth=10 * _GB,
+        memory_bytes=8 * _GIB, devices_per_node=64, intra_node=Link(60e-6, 1.5 * _GB),
+        inter_node=Link(60e-6, 1.5 * _GB), compute_efficiency=0.7, comm_efficiency=1.0,
+        op_overhead_s=10e-6, source="measured (rough)"),
+}
+
+
+def get_profile(hardware) -> HardwareProfile:
+    """A profile from a built-in name, a JSON file path, or a ``HardwareProfile``; None → "cpu-gloo"."""
+    if hardware is None:
+        return PROFILES["cpu-gloo"]
+    if isinstance(hardware, HardwareProfile):
+        return hardware
+    if isinstance(hardware, str) and hardware in PROFILES:
+        return PROFILES[hardware]
+    if isinstance(hardware, (str, os.PathLike)) and os.path.isfile(hardware):
+        with open(hardware) as handle:
+            return HardwareProfile.from_dict(json.load(handle))
+    raise AutoparError(
+        f"hardware={hardware!r}: expected one of {sorted(PROFILES)}, a path to a profile JSON file, or a "
+        "HardwareProfile."
+    )

@@ -1,0 +1,95 @@
+"""``CostModel``: seconds for compute and collectives on each mesh axis, bytes of memory per device.
+
+Collectives follow the alpha-beta model for ring algorithms on an axis of ``p`` devices, ``n`` bytes:
+all_reduce 2(p-1)·alpha + 2(p-1)/p·n·beta; all_gather, reduce_scatter, all_to_all (p-1)·alpha + (p-1)/p·n·beta.
+An axis uses the intra-node link when all the ranks it spans sit in one node, the inter-node link otherwise.
+Must never decide a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from torch_autopar.cost.hardware import HardwareProfile, Link
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCost:
+    kind: str
+    axis: int
+    nbytes: int
+    """Bytes of the full buffer on one rank (all_gather: output; reduce_scatter: input)."""
+
+
+def collectives_for(source, target, global_nbytes: int, mesh_shape) -> list[CollectiveCost]:
+    """The collectives that move a tensor from ``source`` to ``target`` placements (one entry per mesh axis)."""
+    result = []
+    for axis, (have, wanted) in enumerate(zip(source, target)):
+        kind = _transition_kind(have, wanted)
+        if kind is None:
+            continue
+        sharded_elsewhere = 1
+        for other, placement in enumerate(target if kind == "all_gather" else source):
+            if other != axis and isinstance(placement, Shard):
+                sharded_elsewhere *= mesh_shape[other]
+        result.append(CollectiveCost(kind, axis, global_nbytes // max(sharded_elsewhere, 1)))
+    return result
+
+
+def _transition_kind(have, want) -> str | None:
+    if have == want or isinstance(have, Replicate) and isinstance(want, (Shard, Partial)):
+        return None  # a local slice, or a zero/identity contribution: no communication
+    if isinstance(have, Partial):
+        return "reduce_scatter" if isinstance(want, Shard) else "all_reduce"
+    if isinstance(have, Shard) and isinstance(want, Replicate):
+        return "all_gather"
+    if isinstance(have, Shard) and isinstance(want, Shard):
+        return "all_to_all"
+    if isinstance(have, Shard) and isinstance(want, Partial):
+        return "all_gather"
+    raise AssertionError(f"no collective known for {have!r} -> {want!r}")
+
+
+class CostModel:
+    """Costs on ``hardware`` for a mesh of ``mesh_shape`` (ranks laid out row-major, last axis innermost)."""
+
+    def __init__(self, hardware: HardwareProfile, mesh_shape: tuple[int, ...]):
+        self.hardware = hardware
+        self.mesh_shape = tuple(mesh_shape)
+
+    def link(self, axis: int) -> Link:
+        """The link an axis's collectives run over: intra-node if the ranks it spans share a node."""
+        stride = 1
+        for size in self.mesh_shape[axis + 1:]:
+            stride *= size
+        span = stride * self.mesh_shape[axis]
+        return self.hardware.intra_node if span <= self.hardware.devices_per_node else self.hardware.inter_node
+
+    def collective_time(self, kind: str, axis: int, nbytes: int) -> float:
+        """Seconds for one collective of ``nbytes`` (full buffer per rank) on mesh axis ``axis``."""
+        p = self.mesh_shape[axis]
+        if p == 1 or nbytes == 0:
+            return 0.0
+        link = self.link(axis)
+        beta = 1.0 / (link.bandwidth * self.hardware.comm_efficiency)
+        steps, volume = ((2 * (p - 1), 2 * (p - 1) / p) if kind == "all_reduce" else ((p - 1), (p - 1) / p))
+        if kind not in COLLECTIVE_KINDS:
+            raise AssertionError(f"unknown collective kind {kind!r}")
+        return steps * link.latency_s + volume * nbytes * beta
+
+    def compute_time(self, flops: float, bytes_accessed: float, dtype: str) -> float:
+        """Roofline: the slower of arithmetic and memory traffic, plus a fixed per-op overhead."""
+        peak = self.hardware.peak_flops(dtype) * self.hardware.compute_efficiency
+        return max(flops / peak, bytes_accessed / self.hardware.memory_bandwidth) + self.hardware.op_overhead_s
+
+    def shard_factor(self, placements) -> int:
+        """How many pieces a tensor with these placements is split into across the mesh."""
+        factor = 1
+        for axis, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                factor *= self.mesh_shape[axis]
+        return factor

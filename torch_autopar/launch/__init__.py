@@ -1,0 +1,13 @@
+"""Launching: join the job torchrun started, pick the backend, rank helpers.
+
+Imports no other stage, so every stage may use it. Must never start a collective other than
+the process-group rendezvous.
+"""
+
+from torch_autopar.launch.init import detect_backend, get_rank, get_world_size, init, is_initialized
+
+__all__ = ["detect_backend", "get_rank", "get_world_size", "init", "is_initialized"]
+
+from torch_autopar.launch.mesh import default_axis_names, device_type, offline_mesh, resolve_mesh  # noqa: E402
+
+__all__ += ["default_axis_names", "device_type", "offline_mesh", "resolve_mesh"]

@@ -1,0 +1,94 @@
+"""``autopar.init()``: read torchrun's environment, choose hccl / nccl / gloo, join the process group.
+
+Harmless in a single process (no torchrun variables: nothing is initialised, rank 0 of 1) and when called
+twice. Must never import ``torch_npu`` at module import time: it is optional and breaks ``import torch``
+where Ascend's CANN is missing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from torch_autopar.errors import AutoparError
+
+_VALID_BACKENDS = ("gloo", "nccl", "hccl")
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _npu_available() -> bool:
+    """True when the optional ``torch_npu`` imports and sees at least one Ascend NPU."""
+    try:
+        torch_npu = importlib.import_module("torch_npu")
+    except Exception:  # ImportError, or a broken CANN install raising anything at import
+        return False
+    npu = getattr(torch_npu, "npu", None) or getattr(torch, "npu", None)
+    try:
+        return bool(npu is not None and npu.is_available() and npu.device_count() > 0)
+    except Exception:
+        return False
+
+
+def detect_backend() -> str:
+    """"hccl" with torch_npu and an NPU, "nccl" with CUDA, "gloo" otherwise."""
+    if _npu_available():
+        return "hccl"
+    if torch.cuda.is_available():
+        return "nccl"
+    return "gloo"
+
+
+def _launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in _TORCHRUN_VARS)
+
+
+def _bind_local_device(backend: str) -> None:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    elif backend == "hccl":
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
+
+
+def init(backend: str | None = None, *, timeout_s: float = 600.0) -> bool:
+    """Join the process group torchrun set up; returns True when a process group is (now) initialised.
+
+    backend: None picks by hardware (see ``detect_backend``); otherwise one of "gloo", "nccl", "hccl".
+    """
+    if backend is not None and backend not in _VALID_BACKENDS:
+        raise AutoparError(
+            f"init(backend={backend!r}) expected one of {_VALID_BACKENDS} or None (auto-detect); "
+            "pass a valid name or leave it out."
+        )
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if not _launched_by_torchrun():
+        return False
+    chosen = backend or detect_backend()
+    if chosen == "hccl":
+        importlib.import_module("torch_npu")
+    _bind_local_device(chosen)
+    dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's global rank; 0 outside a distributed job."""
+    if is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def get_world_size() -> int:
+    """Number of ranks in the job; 1 outside a distributed job."""
+    if is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))

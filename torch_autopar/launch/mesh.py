@@ -1,0 +1,73 @@
+"""Device meshes: the one a compiled model runs on, and throw-away fake ones for offline planning.
+
+Must never leave a fake process group behind: ``offline_mesh`` tears down what it set up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torch_autopar import _compat
+from torch_autopar.errors import AutoparError
+
+_DEFAULT_AXIS_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "cp", "tp")}
+
+
+def default_axis_names(ndim: int) -> tuple[str, ...]:
+    return _DEFAULT_AXIS_NAMES.get(ndim, tuple(f"axis{i}" for i in range(ndim)))
+
+
+def device_type() -> str:
+    """Device type of the running backend's tensors: "npu" (hccl), "cuda" (nccl) or "cpu"."""
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    return {"nccl": "cuda", "hccl": "npu"}.get(backend, "cpu")
+
+
+def _check_shape(shape, world_size: int, where: str) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in shape)
+    if not shape or any(s < 1 for s in shape):
+        raise AutoparError(f"{where}: expected a mesh shape of positive sizes such as (8,) or (2, 4), found {shape}.")
+    if world_size is not None and math.prod(shape) != world_size:
+        raise AutoparError(
+            f"{where}: a mesh of shape {shape} has {math.prod(shape)} devices but the job has {world_size} ranks; "
+            "the product of the mesh sizes must equal the world size (e.g. mesh=(2, world_size // 2))."
+        )
+    return shape
+
+
+def resolve_mesh(mesh, world_size: int) -> DeviceMesh:
+    """The mesh a compiled model runs on: None → all ranks in one axis; a shape tuple; or a DeviceMesh."""
+    if isinstance(mesh, DeviceMesh):
+        if mesh.size() != world_size:
+            raise AutoparError(f"mesh has {mesh.size()} devices but the job has {world_size} ranks; pass a mesh over all ranks.")
+        return mesh
+    shape = _check_shape((world_size,) if mesh is None else mesh, world_size, "compile(mesh=...)")
+    return init_device_mesh(device_type(), shape, mesh_dim_names=default_axis_names(len(shape)))
+
+
+@contextlib.contextmanager
+def offline_mesh(mesh_shape, axis_names=None):
+    """A mesh of ``mesh_shape`` for planning without ranks: a fake process group lives for the block."""
+    shape = _check_shape(mesh_shape, None, "mesh_shape")
+    names = tuple(axis_names) if axis_names else default_axis_names(len(shape))
+    if len(names) != len(shape):
+        raise AutoparError(f"axis_names {names} must name each of the {len(shape)} mesh axes of {shape}.")
+    if dist.is_initialized():
+        if dist.get_world_size() != math.prod(shape):
+            raise AutoparError(
+                f"cannot plan for {math.prod(shape)} devices inside a running job of {dist.get_world_size()} ranks; "
+                "call autopar.plan(...) from a process without a process group (it uses a fake one)."
+            )
+        yield DeviceMesh(device_type(), torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names,
+                         _init_backend=False)
+        return
+    dist.init_process_group("fake", store=_compat.fake_store(), rank=0, world_size=math.prod(shape))
+    try:
+        yield DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names, _init_backend=False)
+    finally:
+        dist.destroy_process_group()

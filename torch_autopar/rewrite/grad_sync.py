@@ -1,0 +1,118 @@
+"""Graph pass: average gradients over the data-parallel group inside an aten backward graph.
+
+For each bucket of the plan, the gradients it holds are flattened into one buffer and a functional all-reduce
+is started right after the last of them is computed, so it runs while the rest of backward computes; the
+result is waited for just before the graph returns. Written as requires / call / ensures, as torch.fx passes.
+Must never reorder the compute of the original graph.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from torch_autopar import _compat
+
+aten = torch.ops.aten
+
+
+@dataclass(kw_only=True)
+class GradSyncResult:
+    graph_module: fx.GraphModule
+    all_reduces: int
+    synced_bytes: int
+
+
+class GradSyncPass:
+    """Insert one bucketed all-reduce per plan bucket for the gradient outputs of a backward graph.
+
+    grad_outputs: output position in the backward graph → parameter name.
+    """
+
+    def __init__(self, grad_outputs: dict[int, str], buckets: list[list[str]], group_name: str, world_size: int):
+        self.grad_outputs = grad_outputs
+        self.buckets = buckets
+        self.group_name = group_name
+        self.world_size = world_size
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        outputs = _outputs(gm)
+        for position in self.grad_outputs:
+            if position >= len(outputs):
+                raise AssertionError(f"gradient output {position} beyond the {len(outputs)} outputs of the backward graph")
+
+    def call(self, gm: fx.GraphModule) -> GradSyncResult:
+        self.requires(gm)
+        outputs = list(_outputs(gm))
+        by_name = {name: pos for pos, name in self.grad_outputs.items() if isinstance(outputs[pos], fx.Node)}
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        result = GradSyncResult(graph_module=gm, all_reduces=0, synced_bytes=0)
+        for bucket in self.buckets:
+            positions = [by_name[name] for name in bucket if name in by_name]
+            if positions:
+                self._sync_bucket(gm, outputs, positions, order, result)
+        output_node = gm.graph.find_nodes(op="output")[0]
+        output_node.args = (tuple(outputs),) if isinstance(output_node.args[0], tuple) else (outputs,)
+        gm.graph.lint()
+        gm.recompile()
+        self.ensures(result)
+        return result
+
+    def _sync_bucket(self, gm, outputs, positions, order, result) -> None:
+        grads = [outputs[p] for p in positions]
+        last = max(grads, key=lambda node: order[node])
+        graph = gm.graph
+        with graph.inserting_after(last):
+            flats = [graph.call_function(aten.reshape.default, (g, [-1])) for g in grads]
+        with graph.inserting_after(flats[-1]):
+            flat = graph.call_function(aten.cat.default, (flats,))
+        with graph.inserting_after(flat):
+            reduced = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (flat, "sum", self.group_name))
+        output_node = graph.find_nodes(op="output")[0]
+        with graph.inserting_before(output_node):
+            waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
+            mean = graph.call_function(aten.div.Tensor, (waited, self.world_size))
+            sizes = [_numel(g) for g in grads]
+            pieces = graph.call_function(aten.split_with_sizes.default, (mean, sizes))
+            for index, (position, grad) in enumerate(zip(positions, grads)):
+                piece = graph.call_function(operator.getitem, (pieces, index))
+                outputs[position] = graph.call_function(aten.view.default, (piece, list(_shape(grad))))
+        result.all_reduces += 1
+        result.synced_bytes += sum(sizes) * _itemsize(grads[0])
+
+    def ensures(self, result: GradSyncResult) -> None:
+        waits = len(result.graph_module.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default))
+        if waits < result.all_reduces:
+            raise AssertionError(f"{result.all_reduces} all-reduces inserted but only {waits} waits")
+
+    def __call__(self, gm: fx.GraphModule) -> GradSyncResult:
+        return self.call(gm)
+
+
+def _outputs(gm: fx.GraphModule):
+    return gm.graph.find_nodes(op="output")[0].args[0]
+
+
+def _value(node: fx.Node):
+    value = node.meta.get("val")
+    if value is None:
+        raise AssertionError(f"node {node.format_node()} has no meta['val']; cannot size its gradient bucket")
+    return value
+
+
+def _shape(node: fx.Node):
+    return tuple(_value(node).shape)
+
+
+def _numel(node: fx.Node) -> int:
+    return _value(node).numel()
+
+
+def _itemsize(node: fx.Node) -> int:
+    return _value(node).element_size()
+
+
+_ = _compat  # functional collectives are registered with torch.distributed; the adapter pins their names

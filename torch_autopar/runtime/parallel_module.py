@@ -1,0 +1,176 @@
+"""``ParallelModule``: the user's module run per a Plan, in eager or graph mode, on this rank.
+
+Eager: the user's Python ``forward`` runs op by op (prints and breakpoints work); gradients are averaged by the
+rewrite stage's ``GradientReducer``. Graph: ``torch.compile`` with the data-parallel backend, whose backward
+graphs carry the gradient all-reduces. Both follow the semantics of ARCHITECTURE.md: each rank passes its own
+slice of the global batch (or, with ``full_batch=True``, all ranks pass the whole batch). Must never change
+the user's module's parameters except through the optimizer the user runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from torch_autopar import _compat
+from torch_autopar.errors import AutoparError
+from torch_autopar.rewrite import GradientReducer
+from torch_autopar.runtime import backend as backends
+from torch_autopar.runtime.modes import get_mode
+from torch_autopar.search import Plan
+
+
+def _first_batch_size(args, kwargs) -> int | None:
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1:
+            return int(leaf.shape[0])
+    return None
+
+
+def broadcast_module_state(module: torch.nn.Module, group, src: int = 0) -> None:
+    """Make every rank's parameters and buffers equal to rank ``src``'s (one flat broadcast per dtype)."""
+    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel() > 0]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for group_tensors in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+            dist.broadcast(flat, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+            offset = 0
+            for tensor in group_tensors:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
+
+class ParallelModule(torch.nn.Module):
+    """A module executed per ``plan`` on the ranks of ``group`` (None: all ranks)."""
+
+    def __init__(self, module: torch.nn.Module, plan: Plan | None = None, *, planner=None, group=None,
+                 mode: str | None = None, full_batch: bool = False, broadcast_buffers: bool = True):
+        super().__init__()
+        if plan is None and planner is None:
+            raise AssertionError("ParallelModule needs a plan or a planner")
+        self.module = module
+        self.plan = plan
+        self.mode = mode
+        self.full_batch = full_batch
+        self.broadcast_buffers = broadcast_buffers
+        self.stats: dict = {}
+        self._planner = planner
+        self._group = group
+        self._distributed = False
+        self._compiled = None
+        self._reducer = None
+        if plan is not None:
+            self._set_up(plan)
+
+    def prepare(self, args: tuple, kwargs: dict) -> Plan:
+        """Plan (if not done yet) from one call's inputs and set up this rank's execution."""
+        if self.plan is None:
+            self._set_up(self._planner(self.module, args, kwargs))
+        return self.plan
+
+    def _set_up(self, plan: Plan) -> None:
+        self.plan = plan
+        world = dist.get_world_size(self._group) if dist.is_initialized() else 1
+        self._distributed = plan.strategy == "data_parallel" and world > 1
+        if self._distributed:
+            broadcast_module_state(self.module, self._group)
+            self._reducer = GradientReducer(dict(self.module.named_parameters()), plan.grad_buckets, self._group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self._group) if self._distributed else 1
+
+    def forward(self, *args, **kwargs):
+        if self.plan is None:
+            self.prepare(args, kwargs)
+        if self.full_batch and self._distributed:
+            args, kwargs = self._local_slice(args, kwargs)
+        if self._distributed and self.broadcast_buffers:
+            self._broadcast_buffers()
+        mode = self.mode or get_mode()
+        output = self._run_graph(args, kwargs) if mode == "graph" else self._run_eager(args, kwargs)
+        if self.full_batch and self._distributed:
+            output = pytree.tree_map(self._gather_batch, output)
+        return output
+
+    def _run_eager(self, args, kwargs):
+        if self._reducer is not None and torch.is_grad_enabled():
+            self._reducer.arm(_first_batch_size(args, kwargs))
+        return self.module(*args, **kwargs)
+
+    def _run_graph(self, args, kwargs):
+        if self._compiled is None:
+            self._compiled = self._compile()
+        if self._reducer is not None and torch.is_grad_enabled():
+            self._check_batch_sizes(args, kwargs)
+        try:
+            return self._compiled(*args, **kwargs)
+        except _compat.DynamoUnsupported() as error:
+            raise AutoparError(
+                f"graph mode could not compile {type(self.module).__name__}.forward as one graph: "
+                f"{str(error).splitlines()[0]}. This usually means Python control flow that depends on tensor "
+                "values (an `if` on a tensor, `.item()`); run it in eager mode (autopar.set_mode('eager') or "
+                "compile(..., mode='eager')), or express the branch with torch.where."
+            ) from error
+
+    def _compile(self):
+        if self._distributed:
+            group = self._group or dist.group.WORLD
+            backend = backends.data_parallel_backend(dict(self.module.named_parameters()), self.plan.grad_buckets,
+                                                     group, self.stats)
+        else:
+            backend = backends.autopar_backend
+        return torch.compile(self.module, backend=backend, fullgraph=True, dynamic=False)
+
+    def _check_batch_sizes(self, args, kwargs) -> None:
+        local = float(_first_batch_size(args, kwargs) or 0)
+        sums = torch.tensor([local, local * local], dtype=torch.float64)
+        dist.all_reduce(sums, group=self._group)
+        if abs(self.world_size * float(sums[1]) - float(sums[0]) ** 2) > 0.5:
+            raise AutoparError(
+                f"ranks were given batches of unequal size (this rank: {int(local)}, sum over {self.world_size} "
+                f"ranks: {int(sums[0])}); averaged gradients would not equal the global batch's. Make the global "
+                "batch divisible by the data-parallel size, or use autopar.Model(...).train()."
+            )
+
+    def _local_slice(self, args, kwargs):
+        rank, size = dist.get_rank(self._group), self.world_size
+
+        def piece(leaf):
+            if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
+                return leaf
+            if leaf.shape[0] % size:
+                raise AutoparError(
+                    f"full_batch=True expects the global batch (dim 0) to divide by the {size} data-parallel ranks; "
+                    f"found a tensor with dim 0 of {leaf.shape[0]}. Drop or pad the last batch."
+                )
+            return leaf.chunk(size)[rank]
+
+        return pytree.tree_map(piece, (args, kwargs))
+
+    def _gather_batch(self, leaf):
+        if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
+            return leaf
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(leaf.contiguous(), group=self._group or dist.group.WORLD), dim=0)
+
+    def _broadcast_buffers(self) -> None:
+        buffers = [b for b in self.module.buffers() if b.numel() > 0]
+        if buffers:
+            with torch.no_grad():
+                holder = torch.nn.Module()
+                for i, b in enumerate(buffers):
+                    holder.register_buffer(f"b{i}", b)
+                broadcast_module_state(holder, self._group)
+
+    def state_dict(self, *args, **kwargs):
+        """Full, unsharded tensors under the user's own parameter names (loadable into the plain model)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

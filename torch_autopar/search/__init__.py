@@ -1,0 +1,11 @@
+"""Search: choose placements for a captured program under a cost model and a memory budget → ``Plan``.
+
+Must never run collectives or change the user's model.
+"""
+
+from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
+from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective
+from torch_autopar.search.planner import STRATEGIES, build_plan, check_strategy
+
+__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "STRATEGIES", "LayerRow", "Plan", "PlannedCollective", "assign_buckets",
+           "build_plan", "check_strategy"]

@@ -1,0 +1,28 @@
+"""Gradient buckets: parameters grouped, in the order backward finishes their gradients, up to a byte cap.
+
+Launching a bucket's all-reduce as soon as its last gradient is ready overlaps communication with the rest of
+backward; every rank must launch buckets in the same order. Must never communicate.
+"""
+
+from __future__ import annotations
+
+DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
+
+
+def assign_buckets(ready_order: list[str], nbytes: dict[str, int], cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                   dtypes: dict[str, str] | None = None) -> list[list[str]]:
+    """Split ``ready_order`` into consecutive buckets of at most ``cap_bytes`` (a larger tensor gets its own).
+
+    Tensors of different dtypes never share a bucket (a bucket is one flat buffer).
+    """
+    buckets: list[list[str]] = []
+    size = 0
+    for name in ready_order:
+        same_dtype = not buckets or dtypes is None or dtypes[buckets[-1][0]] == dtypes[name]
+        if buckets and size + nbytes[name] <= cap_bytes and same_dtype:
+            buckets[-1].append(name)
+            size += nbytes[name]
+        else:
+            buckets.append([name])
+            size = nbytes[name]
+    return buckets

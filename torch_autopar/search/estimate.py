@@ -1,0 +1,127 @@
+"""Evaluate one propagated sharding: compute and communication time, collectives, memory per device.
+
+Must never change the sharding it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from torch_autopar import _compat
+from torch_autopar.capture import CapturedProgram
+from torch_autopar.cost import CostModel, collectives_for
+from torch_autopar.search.plan import PlannedCollective
+from torch_autopar.strategies import Sharding
+
+ADAM_STATE_PER_PARAM = 2
+"""Optimizer state assumed for memory estimates: Adam keeps two tensors the size of each parameter."""
+
+
+@dataclass(kw_only=True)
+class Estimate:
+    forward_compute: float = 0.0
+    backward_compute: float = 0.0
+    collectives: list[PlannedCollective] = field(default_factory=list)
+    memory: dict[str, int] = field(default_factory=dict)
+    exposed_comm: float = 0.0
+
+    @property
+    def compute(self) -> float:
+        return self.forward_compute + self.backward_compute
+
+    @property
+    def step_time(self) -> float:
+        return self.compute + self.exposed_comm
+
+    @property
+    def peak_memory(self) -> int:
+        return sum(self.memory.values())
+
+
+def _local_nbytes(value, spec, cost: CostModel) -> int:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    placements = getattr(spec, "placements", ())
+    return value.numel() * value.element_size() // cost.shard_factor(placements)
+
+
+def _node_compute(node: fx.Node, sharding: Sharding, cost: CostModel) -> float:
+    values = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
+    args = fx.node.map_aggregate(node.args, values)
+    kwargs = fx.node.map_aggregate(node.kwargs, values)
+    out = node.meta.get("val")
+    flops = _compat.node_flops(node.target, args, kwargs, out) if isinstance(node.target, torch._ops.OpOverload) else 0
+    split = max([cost.shard_factor(getattr(sharding.specs.get(a), "placements", ())) for a in node.all_input_nodes] + [1])
+    accessed = sum(_local_nbytes(a.meta.get("val"), sharding.specs.get(a), cost) for a in node.all_input_nodes)
+    accessed += _local_nbytes(out, sharding.specs.get(node), cost)
+    dtype = str(out.dtype).removeprefix("torch.") if isinstance(out, torch.Tensor) else "float32"
+    return cost.compute_time(flops / split, accessed, dtype)
+
+
+_VIEW_LIKE = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "detach", "alias", "unsqueeze", "squeeze",
+              "reshape", "slice", "select", "split", "getitem"}
+
+
+def _is_free(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    return name in _VIEW_LIKE
+
+
+def add_compute(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
+    for node in program.graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if _is_free(node):
+            continue
+        seconds = _node_compute(node, sharding, cost)
+        if program.is_backward(node):
+            estimate.backward_compute += seconds
+        else:
+            estimate.forward_compute += seconds
+
+
+def add_redistributions(estimate: Estimate, sharding: Sharding, cost: CostModel, axis_names) -> None:
+    for redistribution in sharding.redistributions:
+        for c in collectives_for(redistribution.source, redistribution.target, redistribution.global_nbytes, cost.mesh_shape):
+            estimate.collectives.append(PlannedCollective(
+                kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes,
+                phase="backward" if redistribution.backward else "forward", where=redistribution.node,
+                seconds=cost.collective_time(c.kind, c.axis, c.nbytes)))
+
+
+def add_grad_sync(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
+                  buckets: list[list[str]], param_placements: dict, axis_names) -> None:
+    """One collective per bucket and mesh axis on which the gradients are partial sums."""
+    for index, bucket in enumerate(buckets):
+        first = program.grad_nodes[bucket[0]]
+        source = sharding.specs[first].placements
+        target = param_placements[bucket[0]]
+        nbytes = sum(program.params[name].nbytes for name in bucket)
+        for c in collectives_for(source, target, nbytes, cost.mesh_shape):
+            estimate.collectives.append(PlannedCollective(
+                kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes, phase="grad_sync",
+                where=f"bucket{index}", seconds=cost.collective_time(c.kind, c.axis, c.nbytes)))
+
+
+def add_exposed_comm(estimate: Estimate) -> None:
+    """Forward/backward redistributions are exposed; gradient sync hides behind backward except the last bucket."""
+    blocking = sum(c.seconds for c in estimate.collectives if c.phase != "grad_sync")
+    grad = [c for c in estimate.collectives if c.phase == "grad_sync"]
+    total_grad = sum(c.seconds for c in grad)
+    last_bucket = sum(c.seconds for c in grad if c.where == grad[-1].where) if grad else 0.0
+    estimate.exposed_comm = blocking + max(last_bucket, total_grad - estimate.backward_compute)
+
+
+def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
+    params = sum(_local_nbytes(n.meta["val"], sharding.specs[n], cost) for n in program.param_nodes.values())
+    buffers = sum(_local_nbytes(n.meta["val"], sharding.specs[n], cost) for n in program.buffer_nodes.values())
+    saved = 0
+    for node in program.graph.graph.nodes:
+        if node.op == "call_function" and not program.is_backward(node) and not _is_free(node):
+            if any(program.is_backward(user) for user in node.users):
+                saved += _local_nbytes(node.meta.get("val"), sharding.specs.get(node), cost)
+    estimate.memory = {"parameters": params + buffers, "gradients": params,
+                       "optimizer": ADAM_STATE_PER_PARAM * params, "activations": saved}

@@ -1,0 +1,57 @@
+"""Human-readable explanation of a Plan: per-layer table, collectives, totals, replicated ops."""
+
+from __future__ import annotations
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def _layer_table(plan) -> list[str]:
+    width = max([len(row.name) for row in plan.layers] + [5])
+    lines = [f"{'layer':<{width}}  {'params':>12}  {'placement':<14}  {'grad sync':>11}  {'memory':>11}"]
+    for row in plan.layers:
+        lines.append(f"{row.name:<{width}}  {row.num_params:>12,}  {row.placements:<14}  "
+                     f"{_bytes(row.grad_sync_bytes):>11}  {_bytes(row.memory_bytes):>11}")
+    return lines
+
+
+def _collective_summary(plan) -> list[str]:
+    if not plan.collectives:
+        return ["collectives per step: none"]
+    lines = ["collectives per step (kind, phase, axis: count, bytes per rank, est. time):"]
+    groups: dict[tuple, list] = {}
+    for c in plan.collectives:
+        groups.setdefault((c.kind, c.phase, c.axis), []).append(c)
+    for (kind, phase, axis), items in sorted(groups.items()):
+        lines.append(f"  {kind:<14} {phase:<9} {axis:<6} x{len(items):<4} {_bytes(sum(c.nbytes for c in items)):>11}"
+                     f"  {_seconds(sum(c.seconds for c in items))}")
+    return lines
+
+
+def explain(plan) -> str:
+    mesh = " x ".join(f"{name}={size}" for name, size in zip(plan.axis_names, plan.mesh_shape))
+    lines = [f"torch_autopar plan: strategy={plan.strategy}  mesh: {mesh}  hardware={plan.hardware}"
+             + (f"  global batch={plan.global_batch}" if plan.global_batch else "")]
+    lines += _layer_table(plan)
+    lines += _collective_summary(plan)
+    lines.append(f"gradient buckets: {len(plan.grad_buckets)}")
+    lines.append(f"estimated step time: {_seconds(plan.estimated_step_time)} (compute {_seconds(plan.compute_time)}, "
+                 f"exposed communication {_seconds(plan.exposed_comm_time)})")
+    breakdown = ", ".join(f"{k} {_bytes(v)}" for k, v in plan.memory_breakdown.items())
+    lines.append(f"peak memory per device: {_bytes(plan.peak_memory)} ({breakdown})")
+    if plan.replicated_ops:
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(plan.replicated_ops.items()))
+        lines.append(f"ops replicated for lack of a sharding rule: {ops}")
+    else:
+        lines.append("ops replicated for lack of a sharding rule: none")
+    lines += [f"note: {note}" for note in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""``Plan``: what the search decided, in a form that is saved, loaded, validated and explained.
+
+A plan names the placements of every parameter and user input on each mesh axis, the gradient buckets, the
+collectives it implies (kind, axis, bytes, phase) and its estimates. It holds no tensors and no graph.
+Must never run anything.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from torch_autopar.errors import AutoparError
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannedCollective:
+    kind: str
+    """all_reduce | all_gather | reduce_scatter | all_to_all"""
+    axis: str
+    nbytes: int
+    """Full buffer bytes on one rank."""
+    phase: str
+    """forward | backward | grad_sync"""
+    where: str
+    """The graph node or gradient bucket it belongs to."""
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerRow:
+    name: str
+    num_params: int
+    placements: str
+    grad_sync_bytes: int
+    memory_bytes: int
+
+
+@dataclass(kw_only=True)
+class Plan:
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    hardware: str
+    fingerprint: str
+    """Identifies the model (parameter names, shapes, dtypes) the plan was made for."""
+    global_batch: int | None
+    param_placements: dict[str, tuple[str, ...]]
+    input_placements: dict[int, tuple[str, ...]]
+    grad_buckets: list[list[str]]
+    collectives: list[PlannedCollective]
+    layers: list[LayerRow]
+    replicated_ops: dict[str, int]
+    compute_time: float
+    exposed_comm_time: float
+    estimated_step_time: float
+    """Seconds per training step: forward + backward + gradient synchronisation not hidden by backward."""
+    peak_memory: int
+    """Bytes per device: parameters, gradients, optimizer state (Adam) and activations kept for backward."""
+    memory_breakdown: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    version: int = PLAN_FORMAT_VERSION
+
+    @property
+    def world_size(self) -> int:
+        size = 1
+        for axis_size in self.mesh_shape:
+            size *= axis_size
+        return size
+
+    def collective_counts(self) -> dict[tuple[str, str], int]:
+        """How many collectives of each (kind, phase) one training step runs."""
+        counts: dict[tuple[str, str], int] = {}
+        for collective in self.collectives:
+            key = (collective.kind, collective.phase)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def comm_bytes(self) -> int:
+        return sum(c.nbytes for c in self.collectives)
+
+    def check_compatible(self, fingerprint: str, world_size: int) -> None:
+        """Raise a clear error when this plan was made for another model or another number of ranks."""
+        if fingerprint != self.fingerprint:
+            raise AutoparError(
+                f"this plan was made for another model (fingerprint {self.fingerprint}, this model has "
+                f"{fingerprint}): parameter names, shapes or dtypes differ. Plan again for this model "
+                "with autopar.plan(...) or strategy='auto'."
+            )
+        if world_size != self.world_size:
+            raise AutoparError(
+                f"this plan needs {self.world_size} ranks (mesh {self.mesh_shape}) but the job has {world_size}; "
+                "launch with a matching --nproc-per-node or plan again for this world size."
+            )
+
+    def save(self, path) -> None:
+        with open(path, "w") as handle:
+            json.dump(asdict(self), handle, indent=1)
+
+    @staticmethod
+    def load(path) -> "Plan":
+        try:
+            with open(path) as handle:
+                data = json.load(handle)
+        except (OSError, json.JSONDecodeError) as error:
+            raise AutoparError(f"could not read a plan from {path!r}: {error}. Expected a file written by Plan.save().") from error
+        return Plan.from_dict(data)
+
+    @staticmethod
+    def from_dict(data: dict) -> "Plan":
+        if data.get("version") != PLAN_FORMAT_VERSION:
+            raise AutoparError(
+                f"plan format version {data.get('version')!r} is not supported (expected {PLAN_FORMAT_VERSION}); "
+                "plan again with this version of torch_autopar."
+            )
+        data = dict(data)
+        data["mesh_shape"] = tuple(data["mesh_shape"])
+        data["axis_names"] = tuple(data["axis_names"])
+        data["param_placements"] = {k: tuple(v) for k, v in data["param_placements"].items()}
+        data["input_placements"] = {int(k): tuple(v) for k, v in data["input_placements"].items()}
+        data["collectives"] = [PlannedCollective(**c) for c in data["collectives"]]
+        data["layers"] = [LayerRow(**row) for row in data["layers"]]
+        return Plan(**data)
+
+    def explain(self) -> str:
+        from torch_autopar.search.explain import explain
+
+        return explain(self)

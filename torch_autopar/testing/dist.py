@@ -1,0 +1,120 @@
+"""Run a function on N spawned gloo ranks with a timeout, or plan on a fake process group of any size.
+
+``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes, initialises gloo with a
+``timeout_s`` for every collective, calls ``fn(rank, world_size, *args)`` in each, and returns the per-rank
+results in rank order. A rank that raises, hangs or dies fails the whole call with that rank's traceback;
+nothing is left running. Must never be imported by library code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torch_autopar import _compat
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, timeout_s, fn, args, out_dir, env):
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    import torch
+
+    torch.set_num_threads(1)
+    result = {"ok": False}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        result = {"ok": True, "value": fn(rank, world_size, *args)}
+    except BaseException:  # reported to the parent, which fails the test with it
+        result = {"ok": False, "error": traceback.format_exc()}
+    finally:
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as handle:
+            pickle.dump(result, handle)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, env: dict | None = None) -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(_worker, args=(world_size, _free_port(), timeout_s, fn, args, out_dir, env or {}),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s + 60
+        try:
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise RankFailure(f"ranks still running after {timeout_s + 60:.0f} s: killed. "
+                                      + _collect_errors(out_dir, world_size))
+        except RankFailure:
+            raise
+        except mp.ProcessExitedException as error:
+            raise RankFailure(f"a rank died: {error}") from error
+        except Exception as error:
+            raise RankFailure(_collect_errors(out_dir, world_size) or str(error)) from error
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        return _collect(out_dir, world_size)
+
+
+def _collect_errors(out_dir: str, world_size: int) -> str:
+    messages = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"{rank}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as handle:
+                result = pickle.load(handle)
+            if not result["ok"]:
+                messages.append(f"rank {rank}:\n{result['error']}")
+    return "\n".join(messages)
+
+
+def _collect(out_dir: str, world_size: int) -> list:
+    results, errors = [], []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"{rank}.pkl")
+        if not os.path.exists(path):
+            errors.append(f"rank {rank}: no result (killed or timed out)")
+            continue
+        with open(path, "rb") as handle:
+            result = pickle.load(handle)
+        if result["ok"]:
+            results.append(result["value"])
+        else:
+            errors.append(f"rank {rank}:\n{result['error']}")
+    if errors:
+        raise RankFailure("\n".join(errors))
+    return results
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0):
+    """A fake process group of ``world_size`` ranks in this process (collectives do nothing)."""
+    if dist.is_initialized():
+        raise AssertionError("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=_compat.fake_store(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,89 @@
+"""Small reference models for tests, examples and benchmarks (deterministic given a seed)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, dims=(32, 64, 64, 8)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+
+    def forward(self, x):
+        for index, layer in enumerate(self.layers):
+            x = layer(x)
+            if index < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 96
+    block_size: int = 32
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 32
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        shape = (batch, seq, self.n_head, width // self.n_head)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(width // self.n_head)
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        y = torch.softmax(scores, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd)
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.out = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-2 style decoder: token + position embeddings, pre-norm blocks, tied output head."""
+
+    def __init__(self, config: GPTConfig | None = None):
+        super().__init__()
+        self.config = config = config or GPTConfig()
+        self.tok = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+
+    def forward(self, idx):
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok.weight.t()
+
+
+def gpt_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
