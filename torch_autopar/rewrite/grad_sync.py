@@ -65,12 +65,16 @@ class GradSyncPass:
         grads = [outputs[p] for p in positions]
         last = max(grads, key=lambda node: order[node])
         graph = gm.graph
-        with graph.inserting_after(last):
-            flats = [graph.call_function(aten.reshape.default, (g, [-1])) for g in grads]
-        with graph.inserting_after(flats[-1]):
-            flat = graph.call_function(aten.cat.default, (flats,))
-        with graph.inserting_after(flat):
-            reduced = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (flat, "sum", self.group_name))
+        anchor = [last]
+
+        def after_anchor(target, args):
+            with graph.inserting_after(anchor[0]):
+                anchor[0] = graph.call_function(target, args)
+            return anchor[0]
+
+        flats = [after_anchor(aten.reshape.default, (g, [-1])) for g in grads]
+        flat = after_anchor(aten.cat.default, (flats,))
+        reduced = after_anchor(torch.ops._c10d_functional.all_reduce.default, (flat, "sum", self.group_name))
         output_node = graph.find_nodes(op="output")[0]
         with graph.inserting_before(output_node):
             waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))

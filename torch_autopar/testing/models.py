@@ -30,14 +30,16 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 2
     n_embd: int = 32
-    dropout: float = 0.0
+    qkv_bias: bool = False
+    """Off by default: the key bias has an exactly-zero true gradient (it shifts every score of a query equally),
+    so Adam turns its rounding noise into visible parameter differences between equally correct runs."""
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.qkv_bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x):
