@@ -149,3 +149,65 @@ def functional_wait(tensor: torch.Tensor) -> torch.Tensor:
 def group_name(group: dist.ProcessGroup) -> str:
     """The registered name of a process group, as functional collectives expect it."""
     return group.group_name
+
+
+# --- Strategy enumeration (DTensor's per-op strategy registry) -------------------------------------------------
+
+def op_strategies(op, args_schema: tuple, kwargs_schema: dict, mesh, output_meta):
+    """Every sharding strategy DTensor registers for ``op`` on ``mesh``.
+
+    ``args_schema`` holds an ``OpStrategy`` (all candidate specs of the producer) in place of each tensor argument.
+    Returns an ``OpStrategy`` whose ``OpSpec``s give output specs and the input specs they require, or None when
+    DTensor has no rule for ``op``. Single-dim registrations are expanded to the full mesh, as DTensor does.
+    """
+    from torch.distributed.tensor._ops import single_dim_strategy as sds
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    schema = OpSchema(op, args_schema, kwargs_schema, schema_info=propagator.op_to_schema_info.get(op))
+    info = propagator.op_single_dim_strategy_funcs.get(op)
+    if info is not None:
+        single = info.func(op, schema.args_meta, schema.kwargs_meta)
+        num_inputs = sds._get_num_tensor_inputs(schema)
+        num_outputs = len(single[0]) - num_inputs if single else (1 if isinstance(output_meta, TensorMeta) else len(output_meta))
+        single = sds._insert_single_dim_replication_strategy(list(single), num_outputs, num_inputs, output_meta)
+        from torch.distributed.tensor import Shard as _Shard
+
+        filled = sds._fill_single_dim_strategy_placeholders({_Shard(0)}, single)
+        return expand_to_full_mesh_op_strategy(
+            mesh, schema, filled, output_tensor_meta=output_meta, input_index=num_outputs,
+            allow_unbacked_sharding=info.allow_unbacked_sharding, allow_uneven_sharding=info.allow_uneven_sharding)
+    func = propagator.op_strategy_funcs.get(op)
+    return func(schema) if func is not None else None
+
+
+@contextlib.contextmanager
+def without_dtensor_redistribute_costs():
+    """Skip DTensor's own redistribute-cost estimates while enumerating (torch_autopar prices resharding with
+    its cost model); they are ~90% of enumeration time. Restores the functions afterwards."""
+    import sys
+
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    original = ops_utils.generate_redistribute_costs
+
+    def zero_costs(src_strategy, dst_spec):
+        return [0.0] * len(src_strategy.strategies)
+
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed.tensor") and getattr(module, "generate_redistribute_costs", None) is original:
+            module.generate_redistribute_costs = zero_costs
+            patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.generate_redistribute_costs = original
+
+
+def strategy_types():
+    """DTensor's strategy containers: (OpStrategy, OpSpec, TupleStrategy)."""
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy
+
+    return OpStrategy, OpSpec, TupleStrategy

@@ -1,0 +1,213 @@
+"""Enumerate candidate strategies for every node of a captured graph from DTensor's op strategy registry.
+
+A ``NodeStrategy`` is one way to run a node on the mesh: the placements of its output(s) and the placements it
+needs for each tensor input. Leaves (parameters, buffers, user inputs, tangents) may take any placement that
+shards each tensor dim at most once. Ops without a registered strategy, or whose strategy fails on these shapes,
+get the single all-Replicate strategy and are reported. Identical nodes (same op, arguments and input
+candidates) share one enumeration, which is what keeps repeated transformer layers cheap.
+Must never estimate cost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from torch_autopar import _compat
+from torch_autopar.capture import CapturedProgram
+
+OpStrategy, OpSpec, TupleStrategy = _compat.strategy_types()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStrategy:
+    output: tuple
+    """Placements of the output (a tuple per mesh axis), or a tuple of those for multi-output ops (None entries
+    for non-tensor outputs)."""
+    inputs: tuple
+    """Placements required for each tensor input node, in ``node.all_input_nodes`` order."""
+
+
+@dataclass(kw_only=True)
+class StrategySpace:
+    candidates: dict[fx.Node, list[NodeStrategy]]
+    replicated_ops: Counter = field(default_factory=Counter)
+
+
+def _meta(value):
+    return _compat.TensorMeta(value.shape, value.stride(), value.dtype)
+
+
+def leaf_placements(value: torch.Tensor, mesh_ndim: int, mesh_shape) -> list[tuple]:
+    """All placements of a leaf tensor: Replicate or Shard(d) per axis, each dim sharded on at most one axis,
+    only where the dim is at least as large as the axis (empty shards are never useful)."""
+    options = [Replicate()] + [Shard(d) for d in range(value.ndim)]
+    result = []
+    for combo in itertools.product(options, repeat=mesh_ndim):
+        dims = [p.dim for p in combo if isinstance(p, Shard)]
+        if len(dims) != len(set(dims)):
+            continue
+        if any(isinstance(p, Shard) and value.shape[p.dim] < mesh_shape[axis] for axis, p in enumerate(combo)):
+            continue
+        result.append(combo)
+    return result
+
+
+def _spec_placements(spec):
+    return None if spec is None else tuple(spec.placements)
+
+
+class _Enumerator:
+    def __init__(self, program: CapturedProgram, mesh: DeviceMesh, leaf_filter):
+        self.program, self.mesh, self.leaf_filter = program, mesh, leaf_filter
+        self.space = StrategySpace(candidates={})
+        self.op_strategy: dict[fx.Node, object] = {}
+        self.cache: dict[tuple, tuple[list[NodeStrategy], object]] = {}
+        self.tokens: dict[tuple, int] = {}
+
+    def run(self) -> StrategySpace:
+        for node in self.program.graph.graph.nodes:
+            if node.op == "placeholder":
+                self._leaf(node)
+            elif node.op == "call_function":
+                self._call(node)
+        return self.space
+
+    def _leaf(self, node: fx.Node) -> None:
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            return
+        placements = self.leaf_filter(node, leaf_placements(value, self.mesh.ndim, tuple(self.mesh.shape)))
+        meta = _meta(value)
+        self.op_strategy[node] = OpStrategy([OpSpec(_compat.DTensorSpec(self.mesh, p, meta)) for p in placements])
+        self.space.candidates[node] = [NodeStrategy(output=p, inputs=()) for p in placements]
+
+    def _call(self, node: fx.Node) -> None:
+        if node.target is operator.getitem:
+            return self._getitem(node)
+        key = self._cache_key(node)
+        if key in self.cache:
+            strategies, op_strategy = self.cache[key]
+        else:
+            strategies, op_strategy = self._enumerate(node)
+            self.cache[key] = (strategies, op_strategy)
+        self.space.candidates[node] = strategies
+        self.op_strategy[node] = op_strategy
+
+    def _cache_key(self, node: fx.Node):
+        inputs = tuple(self._token(a) for a in node.all_input_nodes)
+        shape = lambda a: tuple(a.meta["val"].shape) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else None  # noqa: E731
+        args = fx.node.map_aggregate(node.args, lambda a: ("node", shape(a)) if isinstance(a, fx.Node) else a)
+        kwargs = fx.node.map_aggregate(node.kwargs, lambda a: ("node", shape(a)) if isinstance(a, fx.Node) else a)
+        value = node.meta.get("val")
+        out = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        return (node.target, repr(args), repr(kwargs), inputs, out)
+
+    def _token(self, node: fx.Node) -> int:
+        """A small integer naming the content of ``node``'s candidate list (equal lists, equal tokens)."""
+        candidates = self.space.candidates.get(node)
+        if candidates is None:
+            return -1
+        key = tuple(repr(s.output) for s in candidates)
+        return self.tokens.setdefault(key, len(self.tokens))
+
+    def _getitem(self, node: fx.Node) -> None:
+        source, index = node.args
+        parents = self.space.candidates.get(source)
+        if parents is None:
+            return
+        strategies = [NodeStrategy(output=s.output[index], inputs=(s.output[index],)) for s in parents]
+        # one strategy per parent strategy, in the same order: the search ties them 1:1
+        self.space.candidates[node] = strategies
+        value = node.meta["val"]
+        self.op_strategy[node] = OpStrategy([OpSpec(_compat.DTensorSpec(self.mesh, s.output, _meta(value)))
+                                             for s in strategies]) if isinstance(value, torch.Tensor) else None
+
+    def _enumerate(self, node: fx.Node):
+        value = node.meta.get("val")
+        try:
+            found = self._from_dtensor(node, value)
+        except Exception:  # a registered rule that cannot handle these shapes: replicate, always correct
+            found = None
+        if not found:
+            if node.all_input_nodes:
+                self.space.replicated_ops[str(node.target)] += 1
+            found = [self._replicated(node, value)]
+        return found, self._as_op_strategy(found, value)
+
+    def _from_dtensor(self, node: fx.Node, value):
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return None
+        to_schema = lambda a: self.op_strategy.get(a) if isinstance(a, fx.Node) else a  # noqa: E731
+        args = fx.node.map_aggregate(node.args, to_schema)
+        args = tuple(TupleStrategy(tuple(a)) if isinstance(a, list) and a and all(isinstance(e, OpStrategy) for e in a)
+                     else a for a in args)
+        kwargs = fx.node.map_aggregate(node.kwargs, to_schema)
+        if any(a is None for a in args if not isinstance(a, (int, float, bool, str, list, tuple, torch.dtype))) and \
+                any(self.op_strategy.get(a) is None for a in node.all_input_nodes):
+            return None
+        output_meta = _meta(value) if isinstance(value, torch.Tensor) else (
+            [(_meta(v) if isinstance(v, torch.Tensor) else None) for v in value] if isinstance(value, (tuple, list)) else None)
+        result = _compat.op_strategies(node.target, args, kwargs, self.mesh, output_meta)
+        if not isinstance(result, OpStrategy):
+            return None
+        return _dedupe([self._node_strategy(node, spec) for spec in result.strategies])
+
+    def _node_strategy(self, node: fx.Node, spec) -> NodeStrategy:
+        outputs = spec.output_specs
+        output = tuple(_spec_placements(s) for s in outputs) if isinstance(outputs, (tuple, list)) else _spec_placements(outputs)
+        tensor_args = [a for a in _flat_args(node) if isinstance(a, fx.Node)]
+        wanted = list(spec.input_specs) if spec.input_specs is not None else [outputs] * len(tensor_args)
+        by_node = {}
+        for arg, want in zip(tensor_args, wanted):
+            by_node.setdefault(arg, _spec_placements(want))
+        inputs = tuple(by_node.get(a, tuple(Replicate() for _ in range(self.mesh.ndim))) for a in node.all_input_nodes)
+        return NodeStrategy(output=output, inputs=inputs)
+
+    def _replicated(self, node: fx.Node, value) -> NodeStrategy:
+        replicate = tuple(Replicate() for _ in range(self.mesh.ndim))
+        if isinstance(value, (tuple, list)):
+            output = tuple(replicate if isinstance(v, torch.Tensor) else None for v in value)
+        else:
+            output = replicate
+        return NodeStrategy(output=output, inputs=tuple(replicate for _ in node.all_input_nodes))
+
+    def _as_op_strategy(self, strategies: list[NodeStrategy], value):
+        if not isinstance(value, torch.Tensor):
+            return None
+        meta = _meta(value)
+        return OpStrategy([OpSpec(_compat.DTensorSpec(self.mesh, s.output, meta)) for s in strategies])
+
+
+def _flat_args(node: fx.Node) -> list:
+    flat = []
+    for arg in list(node.args) + list(node.kwargs.values()):
+        if isinstance(arg, (list, tuple)):
+            flat.extend(arg)
+        else:
+            flat.append(arg)
+    return flat
+
+
+def _dedupe(strategies: list[NodeStrategy]) -> list[NodeStrategy]:
+    seen, result = set(), []
+    for strategy in strategies:
+        key = (repr(strategy.output), repr(strategy.inputs))
+        if key not in seen:
+            seen.add(key)
+            result.append(strategy)
+    return result
+
+
+def enumerate_strategies(program: CapturedProgram, mesh: DeviceMesh, leaf_filter=None) -> StrategySpace:
+    """Candidate strategies for every node; ``leaf_filter(node, placements) -> placements`` restricts leaves
+    (this is how named strategies such as data_parallel restrict the search)."""
+    with _compat.without_dtensor_redistribute_costs():
+        return _Enumerator(program, mesh, leaf_filter or (lambda node, placements: placements)).run()
