@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Partial, Replicate, Shard
-
 from torch_autopar.cost.hardware import HardwareProfile, Link
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -34,22 +32,27 @@ def collectives_for(source, target, global_nbytes: int, mesh_shape) -> list[Coll
             continue
         sharded_elsewhere = 1
         for other, placement in enumerate(target if kind == "all_gather" else source):
-            if other != axis and isinstance(placement, Shard):
+            if other != axis and is_sharded(placement):
                 sharded_elsewhere *= mesh_shape[other]
         result.append(CollectiveCost(kind, axis, global_nbytes // max(sharded_elsewhere, 1)))
     return result
 
 
+def is_sharded(placement) -> bool:
+    """Shard or _StridedShard (whose ``is_shard()`` is False in torch 2.13)."""
+    return placement is not None and (placement.is_shard() or type(placement).__name__ == "_StridedShard")
+
+
 def _transition_kind(have, want) -> str | None:
-    if have == want or isinstance(have, Replicate) and isinstance(want, (Shard, Partial)):
+    if have == want or have.is_replicate() and (is_sharded(want) or want.is_partial()):
         return None  # a local slice, or a zero/identity contribution: no communication
-    if isinstance(have, Partial):
-        return "reduce_scatter" if isinstance(want, Shard) else "all_reduce"
-    if isinstance(have, Shard) and isinstance(want, Replicate):
+    if have.is_partial():
+        return "reduce_scatter" if is_sharded(want) else "all_reduce"
+    if is_sharded(have) and want.is_replicate():
         return "all_gather"
-    if isinstance(have, Shard) and isinstance(want, Shard):
+    if is_sharded(have) and is_sharded(want):
         return "all_to_all"
-    if isinstance(have, Shard) and isinstance(want, Partial):
+    if is_sharded(have) and want.is_partial():
         return "all_gather"
     raise AssertionError(f"no collective known for {have!r} -> {want!r}")
 
@@ -90,6 +93,6 @@ class CostModel:
         """How many pieces a tensor with these placements is split into across the mesh."""
         factor = 1
         for axis, placement in enumerate(placements):
-            if isinstance(placement, Shard):
+            if is_sharded(placement):
                 factor *= self.mesh_shape[axis]
         return factor

@@ -85,9 +85,12 @@ class _Enumerator:
         if not isinstance(value, torch.Tensor):
             return
         placements = self.leaf_filter(node, leaf_placements(value, self.mesh.ndim, tuple(self.mesh.shape)))
-        meta = _meta(value)
-        self.op_strategy[node] = OpStrategy([OpSpec(_compat.DTensorSpec(self.mesh, p, meta)) for p in placements])
-        self.space.candidates[node] = [NodeStrategy(output=p, inputs=()) for p in placements]
+        key = ("leaf", tuple(value.shape), value.dtype, tuple(placements))
+        if key not in self.cache:  # equal leaves share one candidate list (lets the search tie them)
+            meta = _meta(value)
+            self.cache[key] = ([NodeStrategy(output=p, inputs=()) for p in placements],
+                               OpStrategy([OpSpec(_compat.DTensorSpec(self.mesh, p, meta)) for p in placements]))
+        self.space.candidates[node], self.op_strategy[node] = self.cache[key]
 
     def _call(self, node: fx.Node) -> None:
         if node.target is operator.getitem:

@@ -14,6 +14,8 @@ _PARTIAL = re.compile(r"P\((\w+)\)")
 
 
 def format_placement(placement: Placement) -> str:
+    if type(placement).__name__ == "_StridedShard":
+        return f"SS({placement.dim},{placement.split_factor})"
     if isinstance(placement, Shard):
         return f"S({placement.dim})"
     if isinstance(placement, Partial):

@@ -1,0 +1,102 @@
+"""Detect repeated layers (transformer blocks) in a captured graph so the search solves one and ties the rest.
+
+Parameters named ``<family>.<index>.<rest>`` (an ``nn.ModuleList``) mark layer instances. Walking the graph in
+order, every node belongs to the segment of the layer whose parameter was last consumed (forward and backward
+segments are kept apart). A node of layer k > first is tied to the node at the same position of the first
+layer's segment when both have the same signature (op, shapes, arguments); matching stops at the first
+difference, so only truly identical nodes are tied. Must never change the graph.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from torch_autopar.capture.program import CapturedProgram
+
+_LAYER_NAME = re.compile(r"^(?P<family>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def layer_of_param(name: str):
+    """``("blocks", 3)`` for "blocks.3.attn.qkv.weight"; None for parameters outside a ModuleList."""
+    match = _LAYER_NAME.match(name)
+    return (match.group("family"), int(match.group("index"))) if match else None
+
+
+def node_signature(node: fx.Node):
+    """What must be equal for two nodes to be interchangeable: op, output shapes, constant arguments."""
+    def describe(arg):
+        if isinstance(arg, fx.Node):
+            value = arg.meta.get("val")
+            return ("node", tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__)
+        return arg
+
+    value = node.meta.get("val")
+    out = tuple(value.shape) if isinstance(value, torch.Tensor) else repr(type(value))
+    return (str(node.target), out, repr(fx.node.map_aggregate(node.args, describe)),
+            repr(fx.node.map_aggregate(node.kwargs, describe)))
+
+
+def _segments(program: CapturedProgram) -> dict[tuple, list[fx.Node]]:
+    param_layer = {node: layer_of_param(name) for name, node in program.param_nodes.items()}
+    segments: dict[tuple, list[fx.Node]] = defaultdict(list)  # insertion order: layer k before k + 1 in forward
+    current = None
+    for node in program.graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        used = [param_layer[a] for a in node.all_input_nodes if a in param_layer]
+        if used:
+            current = used[0]
+        segments[(current, program.is_backward(node))].append(node)
+    return segments
+
+
+def find_repeated_layers(program: CapturedProgram) -> dict[fx.Node, fx.Node]:
+    """Map each tied node (and parameter) to its representative: the matching node of the layer that comes
+    first in graph order (layer 0 in forward, the last layer in backward).
+
+    Each layer's segment is compared with the segment before it in graph order, so an odd layer only breaks
+    the chain there."""
+    representative: dict[fx.Node, fx.Node] = {}
+    previous_of: dict[tuple, list[fx.Node]] = {}
+    for (layer, backward), nodes in _segments(program).items():
+        if layer is None:
+            continue
+        previous = previous_of.get((layer[0], backward))
+        previous_of[(layer[0], backward)] = nodes
+        for node, ref in zip(nodes, previous or ()):
+            if node_signature(node) != node_signature(ref):
+                break
+            representative[node] = representative.get(ref, ref)
+    _tie_parameters(program, representative)
+    return _earliest_representatives(program, representative)
+
+
+def _earliest_representatives(program: CapturedProgram, representative: dict) -> dict:
+    """Re-root every tie class at its earliest node in graph order (the search assigns nodes in that order)."""
+    position = {node: i for i, node in enumerate(program.graph.graph.nodes)}
+    classes: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node, rep in representative.items():
+        classes[rep].append(node)
+    result = {}
+    for rep, members in classes.items():
+        everyone = members + [rep]
+        root = min(everyone, key=position.__getitem__)
+        result.update({node: root for node in everyone if node is not root})
+    return result
+
+
+def _tie_parameters(program: CapturedProgram, representative: dict) -> None:
+    by_key = {}
+    for name, node in program.param_nodes.items():
+        layer = layer_of_param(name)
+        if layer is None:
+            continue
+        key = (layer[0], _LAYER_NAME.match(name).group("rest"), tuple(node.meta["val"].shape))
+        if key in by_key:
+            representative[node] = by_key[key]
+        else:
+            by_key[key] = node

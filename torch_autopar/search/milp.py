@@ -1,0 +1,150 @@
+"""Exact strategy choice as a mixed-integer linear program, solved by HiGHS (through scipy).
+
+The problem
+-----------
+Decisions d = 1..D (node groups, see search.problem), each with strategies a = 1..K_d.
+
+Variables
+    x[d, a] ∈ {0, 1}       decision d takes strategy a                                   (``_add_choice_vars``)
+    y[e, a, b] ∈ [0, 1]    on edge e = (u → v): u takes a and v takes b                  (``_add_edge_vars``)
+
+Objective (seconds per step)
+    minimise  Σ_d Σ_a cost[d, a] · x[d, a]  +  Σ_e Σ_a Σ_b C_e[a, b] · y[e, a, b]
+    cost: compute of each strategy (times the members tied to d) and, for user inputs, resharding from the
+    layout they arrive in; C_e: resharding between producer output and consumer requirement, gradient sync,
+    tangent layout, summed over all edges tied to e.
+
+Constraints
+    (1) Σ_a x[d, a] = 1                               one strategy per decision     (``_one_strategy_rows``)
+    (2) Σ_b y[e, a, b] = x[u, a]   for every a         edge marginals, producer     (``_edge_rows``)
+    (3) Σ_a y[e, a, b] = x[v, b]   for every b         edge marginals, consumer     (``_edge_rows``)
+    (4) Σ_d Σ_a mem[d, a] · x[d, a] ≤ memory budget    bytes per device             (``_memory_row``)
+
+With x integral, (2)-(3) force y[e, a, b] = x[u, a] · x[v, b], so the objective is exact. Edges whose cost
+matrix is all zero get no y variables. Must never build the problem (search.problem does).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from torch_autopar.errors import AutoparError
+from torch_autopar.search.problem import ShardingProblem
+
+
+@dataclass(kw_only=True)
+class Solution:
+    choice: list[int]
+    """Chosen strategy index per decision."""
+    objective: float
+    seconds: float
+    num_variables: int
+    status: str
+
+
+class _Model:
+    def __init__(self, problem: ShardingProblem):
+        self.problem = problem
+        self.cost: list[float] = []
+        self.integral: list[int] = []
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.x_offset: list[int] = []
+
+    def _new_vars(self, costs, integral: bool) -> int:
+        start = len(self.cost)
+        self.cost.extend(float(c) for c in costs)
+        self.integral.extend([int(integral)] * len(costs))
+        return start
+
+    def _row(self, entries, lower: float, upper: float) -> None:
+        row = len(self.lower)
+        for col, val in entries:
+            self.rows.append(row)
+            self.cols.append(col)
+            self.vals.append(val)
+        self.lower.append(lower)
+        self.upper.append(upper)
+
+    def _add_choice_vars(self) -> None:
+        for decision in self.problem.decisions:
+            self.x_offset.append(self._new_vars(decision.cost, integral=True))
+
+    def _one_strategy_rows(self) -> None:
+        for d, decision in enumerate(self.problem.decisions):
+            start = self.x_offset[d]
+            self._row([(start + a, 1.0) for a in range(len(decision.strategies))], 1.0, 1.0)
+
+    def _add_edge_vars(self) -> None:
+        self.y_offset = {}
+        for key, matrix in self.problem.edges.items():
+            self.y_offset[key] = self._new_vars(matrix.reshape(-1), integral=False)
+
+    def _edge_rows(self) -> None:
+        for (u, v), matrix in self.problem.edges.items():
+            ku, kv = matrix.shape
+            start = self.y_offset[(u, v)]
+            for a in range(ku):
+                self._row([(start + a * kv + b, 1.0) for b in range(kv)] + [(self.x_offset[u] + a, -1.0)], 0.0, 0.0)
+            for b in range(kv):
+                self._row([(start + a * kv + b, 1.0) for a in range(ku)] + [(self.x_offset[v] + b, -1.0)], 0.0, 0.0)
+
+    def _memory_row(self) -> None:
+        if np.isinf(self.problem.memory_budget):
+            return
+        entries = [(self.x_offset[d] + a, float(m)) for d, decision in enumerate(self.problem.decisions)
+                   for a, m in enumerate(decision.memory) if m]
+        self._row(entries, -np.inf, float(self.problem.memory_budget))
+
+    def build(self) -> None:
+        self._add_choice_vars()
+        self._add_edge_vars()
+        self._one_strategy_rows()
+        self._edge_rows()
+        self._memory_row()
+
+    def solve(self, time_limit_s: float) -> Solution:
+        started = time.perf_counter()
+        n = len(self.cost)
+        matrix = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lower), n)).tocsr()
+        result = milp(np.array(self.cost), constraints=LinearConstraint(matrix, self.lower, self.upper),
+                      integrality=np.array(self.integral), bounds=Bounds(0.0, 1.0),
+                      options={"time_limit": time_limit_s, "presolve": True})
+        if result.x is None:
+            raise AutoparError(_infeasible_message(self.problem, result.message))
+        choice = [int(np.argmax(result.x[s:s + len(d.strategies)]))
+                  for s, d in zip(self.x_offset, self.problem.decisions)]
+        return Solution(choice=choice, objective=float(result.fun), seconds=time.perf_counter() - started,
+                        num_variables=n, status=str(result.message))
+
+
+def _infeasible_message(problem: ShardingProblem, message: str) -> str:
+    smallest = sum(float(np.min(d.memory)) for d in problem.decisions)
+    return (f"no sharding fits the memory budget of {problem.memory_budget:,.0f} bytes per device "
+            f"(solver: {message}); the smallest per-device memory any plan needs is about {smallest:,.0f} bytes. "
+            "Raise memory_budget, use a larger mesh, or a smaller batch.")
+
+
+def solve(problem: ShardingProblem, time_limit_s: float = 60.0) -> Solution:
+    """Optimal strategy per decision (see the module docstring for the formulation)."""
+    smallest = sum(float(np.min(d.memory)) for d in problem.decisions)
+    if smallest > problem.memory_budget:
+        raise AutoparError(_infeasible_message(problem, "the budget is below every plan's memory"))
+    model = _Model(problem)
+    model.build()
+    return model.solve(time_limit_s)
+
+
+def objective_of(problem: ShardingProblem, choice: list[int]) -> float:
+    """The objective value of a given choice (used to check the solver and to price fixed plans)."""
+    total = sum(float(d.cost[a]) for d, a in zip(problem.decisions, choice))
+    total += sum(float(matrix[choice[u], choice[v]]) for (u, v), matrix in problem.edges.items())
+    return total
