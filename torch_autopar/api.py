@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import torch
 
@@ -42,18 +43,23 @@ def _global_batch(args, kwargs) -> int | None:
     return None
 
 
-def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes):
+def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes,
+                  executable: bool, solver: str = "auto"):
+    started = time.perf_counter()
     fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, batch_factor)
     program = capture(module, fake_args, fake_kwargs)
+    captured = time.perf_counter()
     names = mesh.mesh_dim_names or launch.default_axis_names(mesh.ndim)
-    return build_plan(program, mesh, names, strategy=strategy, hardware=get_profile(hardware),
-                      memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
-                      global_batch=_global_batch(fake_args, fake_kwargs))
+    result = build_plan(program, mesh, names, strategy=strategy, hardware=get_profile(hardware),
+                        memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
+                        global_batch=_global_batch(fake_args, fake_kwargs), executable=executable, solver=solver)
+    result.search_stats.update({"capture_s": captured - started, "total_s": time.perf_counter() - started})
+    return result
 
 
 def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h100", strategy="auto",
          memory_budget=None, axis_names=None, example_kwargs=None,
-         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> Plan:
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto") -> Plan:
     """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK)."""
     check_strategy(strategy)
     if isinstance(strategy, Plan):
@@ -61,7 +67,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
     with launch.offline_mesh(mesh_shape, axis_names) as mesh:
         return _plan_on_mesh(model, _as_tuple(example_inputs), dict(example_kwargs or {}), mesh, batch_factor=1,
                              strategy=strategy, hardware=hardware, memory_budget=memory_budget,
-                             bucket_cap_bytes=bucket_cap_bytes)
+                             bucket_cap_bytes=bucket_cap_bytes, executable=False, solver=solver)
 
 
 class _Planner:
@@ -85,11 +91,11 @@ class _Planner:
     def _plan(self, module, args, kwargs, mesh, factor) -> Plan:
         return _plan_on_mesh(module, args, kwargs, mesh, batch_factor=factor, strategy=self.strategy,
                              hardware=self.hardware or "cpu-gloo", memory_budget=self.memory_budget,
-                             bucket_cap_bytes=self.bucket_cap_bytes)
+                             bucket_cap_bytes=self.bucket_cap_bytes, executable=True)
 
 
 def _check_options(strategy, mode, mesh) -> None:
-    check_strategy(strategy)
+    check_strategy(strategy, executable=True)
     if mode is not None and mode not in MODES:
         raise AutoparError(f"mode={mode!r}: expected one of {MODES} or None (use the global mode).")
     world = launch.get_world_size() if launch.is_initialized() else 1

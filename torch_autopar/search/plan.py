@@ -60,6 +60,8 @@ class Plan:
     peak_memory: int
     """Bytes per device: parameters, gradients, optimizer state (Adam) and activations kept for backward."""
     memory_breakdown: dict[str, int] = field(default_factory=dict)
+    search_stats: dict = field(default_factory=dict)
+    """How the plan was found: mode (exact / propagation), problem size, timings."""
     notes: list[str] = field(default_factory=list)
     version: int = PLAN_FORMAT_VERSION
 

@@ -1,46 +1,58 @@
-"""Build a Plan for a captured program: propagate each candidate strategy, estimate it, keep the best.
+"""Build a Plan: place every node of a captured program, estimate it, keep the best candidate.
 
-Candidates are the seeded strategies of ``strategies.seeds``; "auto" evaluates every candidate that can run on
-the mesh and keeps the fastest that fits the memory budget. Must never run a collective.
+Two ways to place nodes:
+  propagation  seeds (parameters, inputs) pushed through DTensor's rules (``strategies.propagate``): exact for
+               data parallelism and the fast mode for problems too large to solve exactly;
+  search       the MILP of ``search.milp`` over every node's DTensor strategies, restricted per mesh axis by the
+               named strategy (``strategies.roles``).
+"auto" is the unrestricted search, compared with every named strategy under the same estimator, so it never
+returns a plan slower than one of them. Must never run a collective.
 """
 
 from __future__ import annotations
 
+import time
+
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.cost import CostModel, HardwareProfile
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
+from torch_autopar.search.milp import solve
 from torch_autopar.search.plan import LayerRow, Plan
+from torch_autopar.search.problem import build_problem
+from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import format_placements, propagate, seed_placements
+from torch_autopar.strategies.enumerate import enumerate_strategies
+from torch_autopar.strategies.roles import axis_roles, leaf_filter
 
-STRATEGIES = ("auto", "data_parallel", "stand_alone", "fully_shard", "tensor_parallel")
+STRATEGIES = ("auto", "data_parallel", "stand_alone", "fully_shard", "tensor_parallel", "fsdp_tp")
 """Names accepted as ``strategy=``; a ``Plan`` object is accepted too."""
-NOT_YET_EXECUTABLE = ("fully_shard", "tensor_parallel")
+EXECUTABLE = ("auto", "data_parallel", "stand_alone")
+"""What ``autopar.compile`` can run in this version; "auto" then chooses among the executable ones."""
+SEARCHED = ("auto", "fully_shard", "tensor_parallel", "fsdp_tp")
+MAX_EXACT_EDGE_VARIABLES = 400_000
+"""Above this many edge variables the exact solve is replaced by the fast propagation mode."""
 
 
-def check_strategy(strategy) -> None:
+def check_strategy(strategy, *, executable: bool = False) -> None:
     if isinstance(strategy, Plan):
         return
     if strategy not in STRATEGIES:
         raise AutoparError(f"strategy={strategy!r} is not a known strategy; expected one of {STRATEGIES} or a Plan.")
-    if strategy in NOT_YET_EXECUTABLE:
+    if executable and strategy not in EXECUTABLE:
         raise AutoparError(
-            f"strategy={strategy!r} is not available yet in this version (planned: per-node sharding search); "
-            "use 'data_parallel', 'stand_alone' or 'auto'."
+            f"strategy={strategy!r} can be planned (autopar.plan) but not yet executed by autopar.compile in this "
+            f"version; use one of {EXECUTABLE}."
         )
 
 
-def _candidates(strategy: str, world_size: int) -> list[str]:
-    if strategy != "auto":
-        return [strategy]
-    return ["stand_alone"] if world_size == 1 else ["data_parallel"]
-
-
 def _layer_rows(program: CapturedProgram, placements: dict, buckets, cost: CostModel, estimate) -> list[LayerRow]:
-    synced = {name for bucket in buckets for name in bucket} if any(c.phase == "grad_sync" for c in estimate.collectives) else set()
+    synced = {c.where for c in estimate.collectives if c.phase == "grad_sync"}
+    in_synced_bucket = {name for index, bucket in enumerate(buckets) if f"bucket{index}" in synced for name in bucket}
     rows: dict[str, dict] = {}
     for name, info in program.params.items():
         layer = name.rsplit(".", 1)[0] if "." in name else "(root)"
@@ -48,59 +60,140 @@ def _layer_rows(program: CapturedProgram, placements: dict, buckets, cost: CostM
         local = info.nbytes // cost.shard_factor(placements[name])
         row["numel"] += info.numel
         row["placements"].add(",".join(format_placements(placements[name])))
-        row["sync"] += info.nbytes if name in synced else 0
+        row["sync"] += info.nbytes if name in in_synced_bucket else 0
         row["memory"] += local * (2 + est.ADAM_STATE_PER_PARAM)
     return [LayerRow(name=layer, num_params=r["numel"], placements="/".join(sorted(r["placements"])),
                      grad_sync_bytes=r["sync"], memory_bytes=r["memory"]) for layer, r in rows.items()]
 
 
-def _evaluate(program: CapturedProgram, mesh: DeviceMesh, axis_names, strategy: str, cost: CostModel,
-              bucket_cap: int, global_batch) -> Plan:
-    seeds = seed_placements(program, strategy, mesh.ndim)
-    sharding = propagate(program, mesh, seeds)
-    param_placements = {name: seeds[node] for name, node in program.param_nodes.items()}
-    ready = program.grad_ready_order()
-    nbytes = {name: program.params[name].nbytes for name in ready}
-    dtypes = {name: program.params[name].dtype for name in ready}
-    buckets = assign_buckets(ready, nbytes, bucket_cap, dtypes)
-    estimate = est.Estimate()
-    est.add_compute(estimate, program, sharding, cost)
-    est.add_redistributions(estimate, sharding, cost, axis_names)
-    est.add_grad_sync(estimate, program, sharding, cost, buckets, param_placements, axis_names)
-    est.add_exposed_comm(estimate)
-    est.add_memory(estimate, program, sharding, cost)
-    return Plan(
-        strategy=strategy, mesh_shape=tuple(mesh.shape), axis_names=tuple(axis_names), hardware=cost.hardware.name,
-        fingerprint=program.fingerprint(), global_batch=global_batch,
-        param_placements={k: format_placements(v) for k, v in param_placements.items()},
-        input_placements={i: format_placements(seeds[n]) for i, n in program.input_nodes.items() if n in seeds},
-        grad_buckets=buckets, collectives=estimate.collectives,
-        layers=_layer_rows(program, param_placements, buckets, cost, estimate),
-        replicated_ops=dict(sharding.replicated_ops), compute_time=estimate.compute,
-        exposed_comm_time=estimate.exposed_comm, estimated_step_time=estimate.step_time,
-        peak_memory=estimate.peak_memory, memory_breakdown=estimate.memory,
-    )
+class Planner:
+    """Plans one captured program on one mesh; ``plan(strategy)`` may be called for several strategies."""
+
+    def __init__(self, program: CapturedProgram, mesh: DeviceMesh, axis_names, *, hardware: HardwareProfile,
+                 memory_budget: int | None = None, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                 global_batch: int | None = None, solver: str = "auto", time_limit_s: float = 60.0):
+        self.program, self.mesh, self.axis_names = program, mesh, tuple(axis_names)
+        self.cost = CostModel(hardware, tuple(mesh.shape))
+        self.budget = memory_budget if memory_budget is not None else hardware.memory_bytes
+        self.bucket_cap_bytes, self.global_batch = bucket_cap_bytes, global_batch
+        self.solver, self.time_limit_s = solver, time_limit_s
+        self.stats: dict = {}
+
+    # one candidate ----------------------------------------------------------------------------------------------
+    def propagated(self, strategy: str) -> Plan:
+        seeds = seed_placements(self.program, strategy, self.mesh.ndim)
+        params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
+        return self._plan(strategy, propagate(self.program, self.mesh, seeds), params)
+
+    def fully_shard_propagated(self) -> Plan:
+        seeds = seed_placements(self.program, "data_parallel", self.mesh.ndim)
+        for node in self.program.param_nodes.values():
+            shape = node.meta["val"].shape
+            if shape and shape[0] >= self.mesh.size():
+                seeds[node] = tuple(Shard(0) for _ in range(self.mesh.ndim))
+        params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
+        return self._plan("fully_shard", propagate(self.program, self.mesh, seeds), params)
+
+    def searched(self, strategy: str) -> Plan:
+        started = time.perf_counter()
+        roles = axis_roles(strategy, self.mesh.ndim)
+        space = enumerate_strategies(self.program, self.mesh, leaf_filter(self.program, roles))
+        generated = time.perf_counter()
+        arrival = lambda node: tuple(Shard(0) for _ in range(self.mesh.ndim))  # noqa: E731
+        problem = build_problem(self.program, space, self.cost, arrival, self.budget)
+        built = time.perf_counter()
+        _, edge_vars = problem.size()
+        if self.solver == "propagate" or self.solver == "auto" and edge_vars > MAX_EXACT_EDGE_VARIABLES:
+            return self._fast_mode(strategy, edge_vars)
+        solution = solve(problem, self.time_limit_s)
+        sharding = to_sharding(self.program, problem, solution.choice, self.mesh, space.replicated_ops)
+        params = {name: sharding.specs[node].placements for name, node in self.program.param_nodes.items()}
+        plan = self._plan(strategy, sharding, params)
+        plan.search_stats.update({
+            "mode": "exact", "decisions": len(problem.decisions), "variables": solution.num_variables,
+            "strategy_generation_s": generated - started, "problem_build_s": built - generated,
+            "solve_s": solution.seconds, "objective_s": solution.objective, "solver_status": solution.status})
+        return plan
+
+    def _fast_mode(self, strategy: str, edge_vars: int) -> Plan:
+        candidates = [self.propagated("data_parallel"), self.fully_shard_propagated()]
+        best = min(candidates, key=lambda plan: (plan.peak_memory > self.budget, plan.estimated_step_time))
+        best.strategy = strategy
+        best.search_stats.update({"mode": "propagation", "edge_variables": edge_vars})
+        best.notes.append(f"fast propagation mode: the exact problem has {edge_vars:,} edge variables "
+                          f"(limit {MAX_EXACT_EDGE_VARIABLES:,}); chose {best.search_stats.get('seed', 'a seed')} "
+                          "among propagated data-parallel and fully-sharded seeds")
+        return best
+
+    def _plan(self, strategy: str, sharding, param_placements: dict) -> Plan:
+        ready = self.program.grad_ready_order()
+        nbytes = {name: self.program.params[name].nbytes for name in ready}
+        dtypes = {name: self.program.params[name].dtype for name in ready}
+        buckets = assign_buckets(ready, nbytes, self.bucket_cap_bytes, dtypes)
+        estimate = est.Estimate()
+        est.add_compute(estimate, self.program, sharding, self.cost)
+        est.add_redistributions(estimate, sharding, self.cost, self.axis_names)
+        est.add_grad_sync(estimate, self.program, sharding, self.cost, buckets, param_placements, self.axis_names)
+        est.add_exposed_comm(estimate)
+        est.add_memory(estimate, self.program, sharding, self.cost)
+        inputs = {i: format_placements(sharding.specs[n].placements) for i, n in self.program.input_nodes.items()
+                  if hasattr(sharding.specs.get(n), "placements")}
+        return Plan(
+            strategy=strategy, mesh_shape=tuple(self.mesh.shape), axis_names=self.axis_names,
+            hardware=self.cost.hardware.name, fingerprint=self.program.fingerprint(), global_batch=self.global_batch,
+            param_placements={k: format_placements(v) for k, v in param_placements.items()},
+            input_placements=inputs, grad_buckets=buckets, collectives=estimate.collectives,
+            layers=_layer_rows(self.program, param_placements, buckets, self.cost, estimate),
+            replicated_ops=dict(sharding.replicated_ops), compute_time=estimate.compute,
+            exposed_comm_time=estimate.exposed_comm, estimated_step_time=estimate.step_time,
+            peak_memory=estimate.peak_memory, memory_breakdown=estimate.memory, search_stats={"seed": strategy},
+        )
+
+    # choosing ---------------------------------------------------------------------------------------------------
+    def plan(self, strategy: str, *, executable: bool = False) -> Plan:
+        check_strategy(strategy, executable=executable)
+        if strategy == "auto":
+            return self._auto(executable)
+        plan = self.propagated(strategy) if strategy in ("data_parallel", "stand_alone") else self.searched(strategy)
+        return self._within_budget([plan])
+
+    def _auto(self, executable: bool) -> Plan:
+        if self.mesh.size() == 1:
+            return self._within_budget([self.propagated("stand_alone")])
+        names = ["data_parallel"] if executable else ["data_parallel", "fully_shard", "tensor_parallel", "auto"]
+        if not executable and self.mesh.ndim >= 2:
+            names.insert(3, "fsdp_tp")
+        plans = []
+        for name in names:
+            plan = self.propagated(name) if name == "data_parallel" else self.searched(name)
+            plan.search_stats["candidate"] = name
+            plans.append(plan)
+        best = self._within_budget(plans)
+        best.notes.append("auto compared " + ", ".join(
+            f"{p.search_stats['candidate']} {p.estimated_step_time * 1e3:.3f} ms"
+            + (" (over budget)" if p.peak_memory > self.budget else "") for p in plans)
+            + f"; chose {best.search_stats['candidate']}"
+            + (" (compile runs only data_parallel in this version)" if executable else ""))
+        best.strategy = "auto"
+        return best
+
+    def _within_budget(self, plans: list[Plan]) -> Plan:
+        fitting = [plan for plan in plans if plan.peak_memory <= self.budget]
+        if not fitting:
+            smallest = min(plan.peak_memory for plan in plans)
+            raise AutoparError(
+                f"no plan fits the memory budget of {self.budget:,} bytes per device: the smallest candidate "
+                f"({', '.join(p.strategy for p in plans)}) needs {smallest:,} bytes. Raise memory_budget, use more "
+                "devices, or a smaller batch."
+            )
+        return min(fitting, key=lambda plan: plan.estimated_step_time)
 
 
 def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strategy: str = "auto",
                hardware: HardwareProfile, memory_budget: int | None = None,
-               bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, global_batch: int | None = None) -> Plan:
+               bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, global_batch: int | None = None,
+               executable: bool = False, solver: str = "auto") -> Plan:
     """The best plan for ``program`` on ``mesh`` among the candidates ``strategy`` allows."""
-    check_strategy(strategy)
-    cost = CostModel(hardware, tuple(mesh.shape))
-    budget = memory_budget if memory_budget is not None else hardware.memory_bytes
-    plans = [_evaluate(program, mesh, axis_names, name, cost, bucket_cap_bytes, global_batch)
-             for name in _candidates(strategy, mesh.size())]
-    fitting = [plan for plan in plans if plan.peak_memory <= budget]
-    if not fitting:
-        smallest = min(plan.peak_memory for plan in plans)
-        raise AutoparError(
-            f"no plan fits the memory budget of {budget:,} bytes per device: the smallest candidate "
-            f"({', '.join(p.strategy for p in plans)}) needs {smallest:,} bytes. Raise memory_budget, use more "
-            "devices, or a smaller batch."
-        )
-    best = min(fitting, key=lambda plan: plan.estimated_step_time)
-    if strategy == "auto":
-        best.notes.append(f"auto chose {best.strategy} among {[p.strategy for p in plans]} (est. step times "
-                          + ", ".join(f"{p.strategy} {p.estimated_step_time * 1e3:.3f} ms" for p in plans) + ")")
-    return best
+    planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
+                      bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver)
+    return planner.plan(strategy, executable=executable)

@@ -46,17 +46,17 @@ def _meta(value):
 
 
 def leaf_placements(value: torch.Tensor, mesh_ndim: int, mesh_shape) -> list[tuple]:
-    """All placements of a leaf tensor: Replicate or Shard(d) per axis, each dim sharded on at most one axis,
-    only where the dim is at least as large as the axis (empty shards are never useful)."""
+    """All placements of a leaf tensor: Replicate or Shard(d) per axis (a dim may be split over several axes),
+    only where every shard is non-empty."""
     options = [Replicate()] + [Shard(d) for d in range(value.ndim)]
     result = []
     for combo in itertools.product(options, repeat=mesh_ndim):
-        dims = [p.dim for p in combo if isinstance(p, Shard)]
-        if len(dims) != len(set(dims)):
-            continue
-        if any(isinstance(p, Shard) and value.shape[p.dim] < mesh_shape[axis] for axis, p in enumerate(combo)):
-            continue
-        result.append(combo)
+        pieces = [1] * value.ndim
+        for axis, placement in enumerate(combo):
+            if isinstance(placement, Shard):
+                pieces[placement.dim] *= mesh_shape[axis]
+        if all(value.shape[d] >= pieces[d] for d in range(value.ndim)):
+            result.append(combo)
     return result
 
 

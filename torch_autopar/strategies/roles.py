@@ -1,0 +1,69 @@
+"""Named strategies as restrictions of the one search space: a role per mesh axis limits leaf placements.
+
+Roles (per mesh axis):
+  dp     parameters replicated, user inputs split on dim 0 (data parallelism)
+  fsdp   parameters sharded on dim 0, user inputs split on dim 0 (ZeRO-3 / FSDP: gathered where used)
+  tp     user inputs replicated, parameters free (the search finds Megatron column/row pairs)
+  free   no restriction ("auto")
+Must never look at costs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from torch_autopar.capture import CapturedProgram
+from torch_autopar.errors import AutoparError
+
+ROLES = ("dp", "fsdp", "tp", "free")
+
+
+def axis_roles(strategy: str, mesh_ndim: int) -> tuple[str, ...]:
+    """Roles for the named strategies on a mesh of ``mesh_ndim`` axes.
+
+    tensor_parallel on an N-D mesh is dp x tp (tensor parallelism on the last axis, data parallelism on the
+    others); fsdp_tp is fully-sharded data parallelism on the leading axes with tp on the last."""
+    if strategy == "auto":
+        return ("free",) * mesh_ndim
+    if strategy == "data_parallel":
+        return ("dp",) * mesh_ndim
+    if strategy == "fully_shard":
+        return ("fsdp",) * mesh_ndim
+    if strategy == "tensor_parallel":
+        return ("dp",) * (mesh_ndim - 1) + ("tp",)
+    if strategy == "fsdp_tp":
+        if mesh_ndim < 2:
+            raise AutoparError("strategy 'fsdp_tp' needs a mesh of at least 2 axes, e.g. mesh_shape=(8, 8).")
+        return ("fsdp",) * (mesh_ndim - 1) + ("tp",)
+    raise AutoparError(f"no axis roles for strategy {strategy!r}")
+
+
+def _allowed(role: str, kind: str, placement, value: torch.Tensor) -> bool:
+    if role == "free" or kind == "other":
+        return True
+    if kind == "input":
+        return isinstance(placement, Replicate) if role == "tp" else (
+            isinstance(placement, Shard) and placement.dim == 0) if value.ndim else True
+    if role == "dp":
+        return isinstance(placement, Replicate)
+    if role == "fsdp":
+        return isinstance(placement, Shard) and placement.dim == 0 or value.ndim == 0
+    return True  # tp: parameters free
+
+
+def leaf_filter(program: CapturedProgram, roles: tuple[str, ...]):
+    """A ``leaf_filter(node, placements)`` for ``enumerate_strategies`` enforcing ``roles``."""
+    kinds = {node: "param" for node in program.param_nodes.values()}
+    kinds.update({node: "param" for node in program.buffer_nodes.values()})
+    kinds.update({node: "input" for node in program.input_nodes.values()})
+
+    def keep(node, placements):
+        kind = kinds.get(node, "other")
+        value = node.meta["val"]
+        kept = [p for p in placements if all(_allowed(r, kind, q, value) for r, q in zip(roles, p))]
+        if kept:
+            return kept
+        return [tuple(Replicate() for _ in roles)]  # e.g. a tensor too small to shard: replicate it
+
+    return keep
