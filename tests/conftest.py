@@ -1,0 +1,28 @@
+"""Shared fixtures: every test starts and ends without a process group, with the default mode and a clean
+dynamo cache, so tests cannot leak state into each other (a leaked process group would also make
+``autopar.plan`` plan inside it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torch_autopar.runtime import modes
+
+
+@pytest.fixture(autouse=True)
+def isolated_state(monkeypatch):
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("a process group was already initialised when the test started")
+    monkeypatch.delenv("AUTOPAR_MODE", raising=False)
+    saved_mode = getattr(modes._state, "mode", None)
+    modes._state.mode = None
+    yield
+    modes._state.mode = saved_mode
+    torch._dynamo.reset()
+    leaked = dist.is_initialized()
+    if leaked:
+        dist.destroy_process_group()
+    assert not leaked, "the test left a process group initialised"

@@ -1,0 +1,158 @@
+"""Data parallel on 2 and 4 gloo ranks equals a one-process run: losses and parameters after 3 optimizer steps,
+SGD and AdamW, MLP and GPT, eager and graph mode (ARCHITECTURE.md: gradients equal DDP's, i.e. the average
+over ranks of each slice's gradient, which for equal slices and a mean loss is the global batch's gradient).
+
+One spawned job per world size runs every case; the tests below check its results case by case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_autopar as autopar
+from torch_autopar.testing import run_on_ranks
+from tests import support
+
+MODELS = ("mlp", "gpt")
+OPTIMIZERS = ("sgd", "adamw")
+MODES = ("eager", "graph")
+CASES = [(m, o, mode) for m in MODELS for o in OPTIMIZERS for mode in MODES]
+GPT_BUCKET_CAP = 64 * 1024
+"""Small enough that the GPT's gradients are synchronised in several buckets (the MLP's fit in one)."""
+
+
+def _train_model(rank, world, model_name):
+    """Every (optimizer, mode) case of one model with one compiled module (one plan, one graph compile):
+    before each case the parameters are reset to the seeded initial ones with ``load_state_dict``."""
+    model = support.build_model(model_name)
+    initial = support.build_model(model_name).state_dict()
+    cap = {"bucket_cap_bytes": GPT_BUCKET_CAP} if model_name == "gpt" else {}
+    pmodel = autopar.compile(model, strategy="data_parallel", **cap)
+    results = {}
+    for optimizer_name in OPTIMIZERS:
+        for mode in MODES:
+            pmodel.load_state_dict(initial)
+            optimizer = support.make_optimizer(optimizer_name, pmodel.parameters())
+            if model_name == "gpt":  # the global default mode
+                autopar.set_mode(mode)
+                losses = support.train_steps(pmodel, model_name, optimizer, rank, world)
+            else:  # the mode switched for a block
+                with autopar.mode(mode):
+                    losses = support.train_steps(pmodel, model_name, optimizer, rank, world)
+            results[(model_name, optimizer_name, mode)] = {
+                "losses": losses, "params": support.params_of(model), "strategy": pmodel.plan.strategy,
+                "buckets": len(pmodel.plan.grad_buckets), "stats": dict(pmodel.stats)}
+    autopar.set_mode("eager")
+    return results
+
+
+def _full_batch_case(rank, world, mode):
+    """full_batch=True: every rank passes the whole global batch and gets the whole output back."""
+    model = support.build_model("mlp")
+    pmodel = autopar.compile(model, strategy="data_parallel", full_batch=True, mode=mode)
+    x, y = support.global_batch("mlp", 0)
+    output = pmodel(x)
+    support.loss_fn("mlp", output, y).backward()
+    return {"output": output.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def _default_strategy_case(rank, world):
+    """``compile(model)`` with the default strategy ("auto"): one backward's gradients and the plan's strategy."""
+    model = support.build_model("mlp")
+    pmodel = autopar.compile(model)
+    x, y = support.global_batch("mlp", 0)
+    support.loss_fn("mlp", pmodel(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    return {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "strategy": pmodel.plan.strategy}
+
+
+def _data_parallel_job(rank, world):
+    launched = {"init": autopar.init(), "rank": autopar.get_rank(), "world": autopar.get_world_size()}
+    cases = {key: value for name in MODELS for key, value in _train_model(rank, world, name).items()}
+    full_batch = {mode: _full_batch_case(rank, world, mode) for mode in MODES}
+    return {"launched": launched, "cases": cases, "full_batch": full_batch,
+            "default_strategy": _default_strategy_case(rank, world)}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
+def job(request):
+    world = request.param
+    return world, run_on_ranks(_data_parallel_job, world, timeout_s=400)
+
+
+_references: dict = {}
+
+
+def reference(model_name, optimizer_name):
+    key = (model_name, optimizer_name)
+    if key not in _references:
+        _references[key] = support.reference_run(model_name, optimizer_name)
+    return _references[key]
+
+
+def test_init_inside_a_job_reports_rank_and_world(job):
+    world, results = job
+    assert [r["launched"] for r in results] == [{"init": True, "rank": r, "world": world} for r in range(world)]
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_matches_one_process_run(job, case):
+    world, results = job
+    ref_losses, ref_params = reference(*case[:2])
+    mean_losses = [sum(r["cases"][case]["losses"][s] for r in results) / world for s in range(support.STEPS)]
+    support.assert_losses_close(mean_losses, ref_losses, what=f"{case} on {world} ranks")
+    for rank, result in enumerate(results):
+        support.assert_params_close(result["cases"][case]["params"], ref_params, what=f"{case} rank {rank}/{world}")
+        assert result["cases"][case]["strategy"] == "data_parallel"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] == "graph"], ids="-".join)
+def test_graph_mode_inserts_one_all_reduce_per_bucket(job, case):
+    world, results = job
+    for result in results:
+        entry = result["cases"][case]
+        assert entry["stats"]["all_reduces_per_backward"] == entry["buckets"]
+        expected_bytes = sum(p.numel() * p.element_size() for p in entry["params"].values())
+        assert entry["stats"]["synced_bytes_per_backward"] == expected_bytes
+    if case[0] == "gpt":
+        assert results[0]["cases"][case]["buckets"] > 1
+
+
+@pytest.mark.parametrize("model_optimizer", [(m, o) for m in MODELS for o in OPTIMIZERS], ids="-".join)
+def test_eager_and_graph_losses_agree(job, model_optimizer):
+    world, results = job
+    for rank, result in enumerate(results):
+        eager = result["cases"][(*model_optimizer, "eager")]["losses"]
+        graph = result["cases"][(*model_optimizer, "graph")]["losses"]
+        support.assert_losses_close(graph, eager, what=f"graph vs eager {model_optimizer} rank {rank}/{world}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_full_batch_returns_whole_output_and_global_gradients(job, mode):
+    world, results = job
+    model = support.build_model("mlp")
+    x, y = support.global_batch("mlp", 0)
+    output = model(x)
+    support.loss_fn("mlp", output, y).backward()
+    for rank, result in enumerate(results):
+        entry = result["full_batch"][mode]
+        torch.testing.assert_close(entry["output"], output.detach(), rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(entry["grads"][name], p.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{mode} rank {rank}/{world} grad of {name}: {m}")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug: with the default strategy='auto' the planner (search/planner.py Planner._auto) returns a plan "
+    "whose strategy is 'auto', and ParallelModule._set_up only synchronises gradients when plan.strategy == "
+    "'data_parallel', so compile(model) on several ranks silently leaves each rank with its local gradient"))
+def test_default_strategy_averages_gradients_over_ranks(job):
+    world, results = job
+    model = support.build_model("mlp")
+    x, y = support.global_batch("mlp", 0)
+    support.loss_fn("mlp", model(x), y).backward()
+    for rank, result in enumerate(results):
+        entry = result["default_strategy"]
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(entry["grads"][name], p.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}/{world} grad of {name} ({entry['strategy']}): {m}")

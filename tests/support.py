@@ -1,0 +1,110 @@
+"""Helpers shared by the tests: outcomes of calls that may raise, models and data, a one-process reference.
+
+Functions used inside ``run_on_ranks`` must be importable by module name (spawned ranks import this module).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_autopar.testing.models import GPT, MLP, gpt_loss
+
+STEPS = 3
+GLOBAL_BATCH = 8
+
+
+def outcome(fn, *args, **kwargs) -> tuple[str, object]:
+    """("ok", value) or (exception type name, message): picklable, so ranks can report errors as data."""
+    try:
+        return "ok", fn(*args, **kwargs)
+    except Exception as error:  # reported, then asserted on by the test
+        return type(error).__name__, str(error)
+
+
+def build_model(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return {"mlp": MLP, "gpt": GPT, "branchy": Branchy, "straight": Straight}[name]()
+
+
+def global_batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global (inputs, targets) of training step ``step`` for model ``name``: same on every rank."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    if name == "gpt":
+        tokens = torch.randint(0, 96, (GLOBAL_BATCH, 17), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:]
+    if name in ("branchy", "straight"):
+        x = torch.randn(GLOBAL_BATCH, 8, generator=generator).abs()
+        return (x if step % 2 == 0 else -x), torch.randn(GLOBAL_BATCH, 4, generator=generator)
+    return torch.randn(GLOBAL_BATCH, 32, generator=generator), torch.randn(GLOBAL_BATCH, 8, generator=generator)
+
+
+def loss_fn(name: str, output, target):
+    return gpt_loss(output, target) if name == "gpt" else F.mse_loss(output, target)
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def train_steps(module: nn.Module, model_name: str, optimizer, rank: int = 0, world: int = 1) -> list[float]:
+    """``STEPS`` optimizer steps; each rank passes its slice ``global.chunk(world)[rank]``. Returns the losses."""
+    losses = []
+    for step in range(STEPS):
+        x, y = global_batch(model_name, step)
+        loss = loss_fn(model_name, module(x.chunk(world)[rank]), y.chunk(world)[rank])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def reference_run(model_name: str, optimizer_name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The one-process run every parallel run must reproduce: plain PyTorch on the whole global batch."""
+    model = build_model(model_name)
+    losses = train_steps(model, model_name, make_optimizer(optimizer_name, model.parameters()))
+    return losses, params_of(model)
+
+
+def assert_losses_close(actual: list[float], expected: list[float], rel: float = 1e-5, what: str = "") -> None:
+    assert len(actual) == len(expected), what
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= rel * abs(e), f"{what} step {step}: loss {a!r} vs {e!r} (rel {abs(a - e) / abs(e):.2e})"
+
+
+def assert_params_close(actual: dict, expected: dict, what: str = "") -> None:
+    assert actual.keys() == expected.keys(), what
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
+
+
+class Branchy(nn.Module):
+    """Data-dependent Python control flow: the branch taken depends on the values of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.sum() > 0:
+            h = torch.relu(h)
+        else:
+            h = torch.tanh(h)
+        return self.b(h)
+
+
+class Straight(Branchy):
+    """Same parameters as ``Branchy`` (so the same plan fingerprint), no data-dependent branch."""
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
