@@ -72,17 +72,33 @@ class CostModel:
         span = stride * self.mesh_shape[axis]
         return self.hardware.intra_node if span <= self.hardware.devices_per_node else self.hardware.inter_node
 
-    def collective_time(self, kind: str, axis: int, nbytes: int) -> float:
-        """Seconds for one collective of ``nbytes`` (full buffer per rank) on mesh axis ``axis``."""
+    def collective_coefficients(self, kind: str, axis: int) -> tuple[float, float]:
+        """(seconds of latency, seconds per byte) of one collective on ``axis``: time = a + b * nbytes."""
+        if kind not in COLLECTIVE_KINDS:
+            raise AssertionError(f"unknown collective kind {kind!r}")
         p = self.mesh_shape[axis]
-        if p == 1 or nbytes == 0:
-            return 0.0
+        if p == 1:
+            return 0.0, 0.0
         link = self.link(axis)
         beta = 1.0 / (link.bandwidth * self.hardware.comm_efficiency)
         steps, volume = ((2 * (p - 1), 2 * (p - 1) / p) if kind == "all_reduce" else ((p - 1), (p - 1) / p))
-        if kind not in COLLECTIVE_KINDS:
-            raise AssertionError(f"unknown collective kind {kind!r}")
-        return steps * link.latency_s + volume * nbytes * beta
+        return steps * link.latency_s, volume * beta
+
+    def collective_time(self, kind: str, axis: int, nbytes: int) -> float:
+        """Seconds for one collective of ``nbytes`` (full buffer per rank) on mesh axis ``axis``."""
+        if nbytes == 0:
+            return 0.0
+        latency, per_byte = self.collective_coefficients(kind, axis)
+        return latency + per_byte * nbytes
+
+    def reshard_coefficients(self, source, target) -> tuple[float, float]:
+        """(latency, seconds per byte of the global tensor) to move a tensor from ``source`` to ``target``."""
+        latency = per_byte = 0.0
+        for move in collectives_for(source, target, 1 << 30, self.mesh_shape):
+            a, b = self.collective_coefficients(move.kind, move.axis)
+            latency += a
+            per_byte += b * move.nbytes / (1 << 30)
+        return latency, per_byte
 
     def compute_time(self, flops: float, bytes_accessed: float, dtype: str) -> float:
         """Roofline: the slower of arithmetic and memory traffic, plus a fixed per-op overhead."""

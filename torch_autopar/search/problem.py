@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch_autopar import _compat
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.layers import find_repeated_layers
-from torch_autopar.cost import CostModel, collectives_for, is_sharded
+from torch_autopar.cost import CostModel, is_sharded
 from torch_autopar.strategies.enumerate import StrategySpace
 
 OPTIMIZER_COPIES = 4
@@ -56,12 +56,67 @@ class ShardingProblem:
         return (sum(len(d.strategies) for d in self.decisions), sum(m.size for m in self.edges.values()))
 
 
+class ReshardTable:
+    """Resharding time between every pair of placements seen, as ``latency + per_byte * nbytes`` tables.
+
+    Placements are interned to small integers so an edge's whole cost matrix is two numpy gathers."""
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self.ids: dict[tuple, int] = {}
+        self.placements: list = []
+        self._latency = np.zeros((0, 0))
+        self._per_byte = np.zeros((0, 0))
+
+    def index(self, placements) -> int:
+        key = tuple(placements) if placements is not None else None
+        if key not in self.ids:
+            self.ids[key] = len(self.placements)
+            self.placements.append(key)
+        return self.ids[key]
+
+    def ensure(self, largest_id: int) -> None:
+        old = self._latency.shape[0]
+        new = max(largest_id + 1, len(self.placements))
+        if new <= old:
+            return
+        latency, per_byte = np.zeros((new, new)), np.zeros((new, new))
+        latency[:old, :old], per_byte[:old, :old] = self._latency, self._per_byte
+        for i in range(new):
+            for j in range(old if i < old else 0, new):
+                latency[i, j], per_byte[i, j] = self._pair(i, j)
+        self._latency, self._per_byte = latency, per_byte
+
+    def _pair(self, i: int, j: int) -> tuple[float, float]:
+        source, target = self.placements[i], self.placements[j]
+        if source is None or target is None or source == target:
+            return 0.0, 0.0
+        return self.cost.reshard_coefficients(source, target)
+
+    def latency(self, i: int, j: int) -> float:
+        self.ensure(max(i, j))
+        return self._latency[i, j]
+
+    def per_byte(self, i: int, j: int) -> float:
+        self.ensure(max(i, j))
+        return self._per_byte[i, j]
+
+    def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int) -> np.ndarray:
+        if nbytes == 0:
+            return np.zeros((len(rows), len(cols)))
+        grid = np.ix_(rows, cols)
+        return self._latency[grid] + self._per_byte[grid] * nbytes
+
+
 class _Builder:
     def __init__(self, program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival):
         self.program, self.space, self.cost, self.arrival = program, space, cost, arrival
         self.tied = find_repeated_layers(program)
         self.problem = ShardingProblem(decisions=[], edges={}, decision_of={})
-        self.reshard_cache: dict = {}
+        self.table = ReshardTable(cost)
+        self.followers: set[fx.Node] = set()
+        self.id_cache: dict = {}
+        self.matrix_cache: dict = {}
         self.saved_for_backward = self._saved_for_backward()
 
     def build(self) -> ShardingProblem:
@@ -83,6 +138,8 @@ class _Builder:
             decision_of[node] = decision_of[source]
             self.problem.output_of[node] = lambda a, s=source, i=index: self.problem.node_output(s, a)[i]
             return
+        if self._try_follow(node):
+            return
         rep = self.tied.get(node)
         if rep is not None and rep in decision_of and self.space.candidates[rep] == self.space.candidates[node]:
             decision = self.problem.decisions[decision_of[rep]]
@@ -98,6 +155,29 @@ class _Builder:
         self.problem.decisions.append(Decision(node=node, strategies=strategies,
                                                cost=self._node_cost(node, strategies),
                                                memory=self._node_memory(node, strategies)))
+
+    def _try_follow(self, node: fx.Node) -> bool:
+        """Fold a single-input op into its producer's decision when, for every producer strategy, one of its
+        own strategies takes that layout as is (element-wise ops, views). Alpa calls this strategy following."""
+        if node.op != "call_function" or len(node.all_input_nodes) != 1:
+            return False
+        producer = node.all_input_nodes[0]
+        if producer not in self.problem.decision_of:
+            return False
+        own = self.space.candidates[node]
+        decision = self.problem.decisions[self.problem.decision_of[producer]]
+        by_input = {}
+        for b, strategy in enumerate(own):
+            by_input.setdefault(strategy.inputs[0], b)
+        follow = [by_input.get(self.problem.node_output(producer, a)) for a in range(len(decision.strategies))]
+        if any(b is None for b in follow):
+            return False
+        self.problem.decision_of[node] = self.problem.decision_of[producer]
+        self.problem.output_of[node] = lambda a, own=own, follow=follow: own[follow[a]].output
+        self.followers.add(node)
+        decision.cost += self._node_cost(node, own)[follow]
+        decision.memory += self._node_memory(node, own)[follow]
+        return True
 
     def _node_cost(self, node: fx.Node, strategies) -> np.ndarray:
         if node.op == "placeholder":
@@ -140,46 +220,61 @@ class _Builder:
 
     # edges ------------------------------------------------------------------------------------------------------
     def reshard(self, source, target, nbytes: int) -> float:
-        if source is None or target is None or tuple(source) == tuple(target):
+        """Seconds to move ``nbytes`` (global) from ``source`` to ``target`` placements."""
+        if source is None or target is None or tuple(source) == tuple(target) or nbytes == 0:
             return 0.0
-        key = (tuple(source), tuple(target), nbytes)
-        if key not in self.reshard_cache:
-            moves = collectives_for(source, target, nbytes, self.cost.mesh_shape)
-            self.reshard_cache[key] = sum(self.cost.collective_time(m.kind, m.axis, m.nbytes) for m in moves)
-        return self.reshard_cache[key]
+        i, j = self.table.index(source), self.table.index(target)
+        return float(self.table.latency(i, j) + self.table.per_byte(i, j) * nbytes)
 
-    def _add_edge(self, producer: fx.Node, consumer: fx.Node, wanted, nbytes: int) -> None:
+    def _output_ids(self, node: fx.Node) -> np.ndarray:
+        """Placement ids of ``node``'s output under each strategy of its decision (cached per candidate list)."""
+        decision = self.problem.decisions[self.problem.decision_of[node]]
+        plain = node not in self.problem.output_of  # its own decision: outputs are its candidate list's
+        key = ("out", id(decision.strategies)) if plain else ("node", node)
+        if key not in self.id_cache:
+            outputs = [self.problem.node_output(node, a) for a in range(len(decision.strategies))]
+            self.id_cache[key] = np.array([self.table.index(p) for p in outputs])
+        return self.id_cache[key]
+
+    def _wanted_ids(self, strategies, wanted, tag) -> np.ndarray:
+        key = ("in", id(strategies), tag)
+        if key not in self.id_cache:
+            self.id_cache[key] = np.array([self.table.index(wanted(b)) for b in range(len(strategies))])
+        return self.id_cache[key]
+
+    def _add_edge(self, producer: fx.Node, consumer: fx.Node, wanted_ids: np.ndarray, nbytes: int) -> None:
         du, dv = self.problem.decision_of[producer], self.problem.decision_of[consumer]
-        ku, kv = len(self.problem.decisions[du].strategies), len(self.problem.decisions[dv].strategies)
-        outputs = [self.problem.node_output(producer, a) for a in range(ku)]
-        matrix = np.array([[self.reshard(outputs[a], wanted(b), nbytes) for b in range(kv)] for a in range(ku)])
+        out_ids = self._output_ids(producer)
+        key = (id(out_ids), id(wanted_ids), nbytes)
+        if key not in self.matrix_cache:
+            self.table.ensure(max(out_ids.max(initial=0), wanted_ids.max(initial=0)))
+            self.matrix_cache[key] = self.table.matrix(out_ids, wanted_ids, nbytes)
+        matrix = self.matrix_cache[key]
         if du == dv:
             self.problem.decisions[du].cost += np.diag(matrix)
         elif matrix.any():
-            key = (du, dv)
-            self.problem.edges[key] = self.problem.edges[key] + matrix if key in self.problem.edges else matrix
+            edge = (du, dv)
+            self.problem.edges[edge] = self.problem.edges[edge] + matrix if edge in self.problem.edges else matrix
 
     def _input_edges(self, node: fx.Node) -> None:
         strategies = self.space.candidates[node]
         for position, producer in enumerate(node.all_input_nodes):
-            if producer not in self.problem.decision_of:
+            if producer not in self.problem.decision_of or node in self.followers:
                 continue
-            wanted = lambda b, p=position: strategies[b].inputs[p]  # noqa: E731
+            wanted = self._wanted_ids(strategies, lambda b, p=position: strategies[b].inputs[p], position)
             self._add_edge(producer, node, wanted, _nbytes(producer.meta.get("val")))
 
     def _gradient_edges(self) -> None:
         for name, grad in self.program.grad_nodes.items():
             param = self.program.param_nodes[name]
             if grad in self.problem.decision_of and param in self.problem.decision_of:
-                wanted = lambda b, p=param: self.problem.node_output(p, b)  # noqa: E731
-                self._add_edge(grad, param, wanted, _nbytes(param.meta["val"]))
+                self._add_edge(grad, param, self._output_ids(param), _nbytes(param.meta["val"]))
 
     def _tangent_edges(self) -> None:
         for tangent, index in self.program.tangent_nodes.items():
             output = self.program.output_nodes.get(index)
             if output in self.problem.decision_of and tangent in self.problem.decision_of:
-                wanted = lambda b, t=tangent: self.problem.node_output(t, b)  # noqa: E731
-                self._add_edge(output, tangent, wanted, _nbytes(tangent.meta["val"]))
+                self._add_edge(output, tangent, self._output_ids(tangent), _nbytes(tangent.meta["val"]))
 
 
 def build_problem(program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival,

@@ -199,7 +199,22 @@ def _flat_args(node: fx.Node) -> list:
     return flat
 
 
+def _has_strided(strategy: NodeStrategy) -> bool:
+    def strided(placements):
+        if placements is None:
+            return False
+        if placements and isinstance(placements[0], tuple) or placements and placements[0] is None:
+            return any(strided(p) for p in placements)
+        return any(type(p).__name__ == "_StridedShard" for p in placements)
+
+    return strided(strategy.output) or any(strided(p) for p in strategy.inputs)
+
+
 def _dedupe(strategies: list[NodeStrategy]) -> list[NodeStrategy]:
+    """Unique strategies, without _StridedShard layouts (interleaved shards from views of sharded dims:
+    valid but never cheaper than the plain layouts they replace) unless nothing else is left."""
+    plain = [s for s in strategies if not _has_strided(s)]
+    strategies = plain or strategies
     seen, result = set(), []
     for strategy in strategies:
         key = (repr(strategy.output), repr(strategy.inputs))
