@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from torch_autopar import _compat
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.cost import CostModel, collectives_for
+from torch_autopar.cost.ops import dtype_name, is_free, node_flops
 from torch_autopar.search.plan import PlannedCollective
 from torch_autopar.strategies import Sharding
 
@@ -49,32 +49,17 @@ def _local_nbytes(value, spec, cost: CostModel) -> int:
 
 
 def _node_compute(node: fx.Node, sharding: Sharding, cost: CostModel) -> float:
-    values = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
-    args = fx.node.map_aggregate(node.args, values)
-    kwargs = fx.node.map_aggregate(node.kwargs, values)
-    out = node.meta.get("val")
-    flops = _compat.node_flops(node.target, args, kwargs, out) if isinstance(node.target, torch._ops.OpOverload) else 0
     split = max([cost.shard_factor(getattr(sharding.specs.get(a), "placements", ())) for a in node.all_input_nodes] + [1])
     accessed = sum(_local_nbytes(a.meta.get("val"), sharding.specs.get(a), cost) for a in node.all_input_nodes)
-    accessed += _local_nbytes(out, sharding.specs.get(node), cost)
-    dtype = str(out.dtype).removeprefix("torch.") if isinstance(out, torch.Tensor) else "float32"
-    return cost.compute_time(flops / split, accessed, dtype)
-
-
-_VIEW_LIKE = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "detach", "alias", "unsqueeze", "squeeze",
-              "reshape", "slice", "select", "split", "getitem"}
-
-
-def _is_free(node: fx.Node) -> bool:
-    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-    return name in _VIEW_LIKE
+    accessed += _local_nbytes(node.meta.get("val"), sharding.specs.get(node), cost)
+    return cost.compute_time(node_flops(node) / split, accessed, dtype_name(node))
 
 
 def add_compute(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
     for node in program.graph.graph.nodes:
         if node.op != "call_function":
             continue
-        if _is_free(node):
+        if is_free(node):
             continue
         seconds = _node_compute(node, sharding, cost)
         if program.is_backward(node):
@@ -120,7 +105,7 @@ def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding,
     buffers = sum(_local_nbytes(n.meta["val"], sharding.specs[n], cost) for n in program.buffer_nodes.values())
     saved = 0
     for node in program.graph.graph.nodes:
-        if node.op == "call_function" and not program.is_backward(node) and not _is_free(node):
+        if node.op == "call_function" and not program.is_backward(node) and not is_free(node):
             if any(program.is_backward(user) for user in node.users):
                 saved += _local_nbytes(node.meta.get("val"), sharding.specs.get(node), cost)
     estimate.memory = {"parameters": params + buffers, "gradients": params,

@@ -106,7 +106,7 @@ class Planner:
         if self.solver == "propagate" or self.solver == "auto" and edge_vars > MAX_EXACT_EDGE_VARIABLES:
             return self._fast_mode(strategy, edge_vars)
         solution = solve(problem, self.time_limit_s)
-        sharding = to_sharding(self.program, problem, solution.choice, self.mesh, space.replicated_ops)
+        sharding = to_sharding(self.program, problem, solution.choice, self.mesh, space.replicated_ops, arrival)
         params = {name: sharding.specs[node].placements for name, node in self.program.param_nodes.items()}
         plan = self._plan(strategy, sharding, params)
         plan.search_stats.update({

@@ -13,13 +13,12 @@ import operator
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 import torch.fx as fx
 
-from torch_autopar import _compat
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.layers import find_repeated_layers
 from torch_autopar.cost import CostModel, is_sharded
+from torch_autopar.cost.ops import bytes_accessed, dtype_name, is_free, nbytes, node_flops
 from torch_autopar.strategies.enumerate import StrategySpace
 
 OPTIMIZER_COPIES = 4
@@ -43,7 +42,16 @@ class ShardingProblem:
     decision_of: dict[fx.Node, int]
     output_of: dict[fx.Node, object] = field(default_factory=dict)
     """For nodes that are not representatives: a function strategy index → output placements."""
+    strategy_of: dict[fx.Node, object] = field(default_factory=dict)
+    """For nodes folded into another node's decision (followers): strategy index → their own NodeStrategy."""
     memory_budget: float = float("inf")
+
+    def node_strategy(self, node: fx.Node, choice: int):
+        """The strategy ``node`` runs with when its decision takes strategy ``choice``."""
+        getter = self.strategy_of.get(node)
+        if getter is not None:
+            return getter(choice)
+        return self.decisions[self.decision_of[node]].strategies[choice]
 
     def node_output(self, node: fx.Node, choice: int):
         """Output placements of ``node`` when its decision takes strategy ``choice``."""
@@ -173,6 +181,7 @@ class _Builder:
         if any(b is None for b in follow):
             return False
         self.problem.decision_of[node] = self.problem.decision_of[producer]
+        self.problem.strategy_of[node] = lambda a, own=own, follow=follow: own[follow[a]]
         self.problem.output_of[node] = lambda a, own=own, follow=follow: own[follow[a]].output
         self.followers.add(node)
         decision.cost += self._node_cost(node, own)[follow]
@@ -183,22 +192,19 @@ class _Builder:
         if node.op == "placeholder":
             if node in self.program.input_nodes.values():
                 value = node.meta["val"]
-                return np.array([self.reshard(self.arrival(node), s.output, _nbytes(value)) for s in strategies])
+                return np.array([self.reshard(self.arrival(node), s.output, nbytes(value)) for s in strategies])
             return np.zeros(len(strategies))
         return np.array([self._compute(node, s) for s in strategies])
 
     def _compute(self, node: fx.Node, strategy) -> float:
-        if _is_free(node):
+        if is_free(node):
             return 0.0
-        flops = _node_flops(node)
+        flops = node_flops(node)
         split = 1
         for axis in range(len(self.cost.mesh_shape)):
             if any(is_sharded(p[axis]) for p in strategy.inputs if p is not None):
                 split *= self.cost.mesh_shape[axis]
-        accessed = sum(_nbytes(a.meta.get("val")) for a in node.all_input_nodes) + _nbytes(node.meta.get("val"))
-        value = node.meta.get("val")
-        dtype = str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else "float32"
-        return self.cost.compute_time(flops / split, accessed / split, dtype)
+        return self.cost.compute_time(flops / split, bytes_accessed(node) / split, dtype_name(node))
 
     def _node_memory(self, node: fx.Node, strategies) -> np.ndarray:
         value = node.meta.get("val")
@@ -208,12 +214,12 @@ class _Builder:
             factor = 1
         else:
             return np.zeros(len(strategies))
-        return np.array([factor * _nbytes(value) / self.cost.shard_factor(s.output) for s in strategies])
+        return np.array([factor * nbytes(value) / self.cost.shard_factor(s.output) for s in strategies])
 
     def _saved_for_backward(self) -> set:
         saved = set()
         for node in self.program.graph.graph.nodes:
-            if node.op == "call_function" and not self.program.is_backward(node) and not _is_free(node):
+            if node.op == "call_function" and not self.program.is_backward(node) and not is_free(node):
                 if any(self.program.is_backward(user) for user in node.users):
                     saved.add(node)
         return saved
@@ -262,19 +268,19 @@ class _Builder:
             if producer not in self.problem.decision_of or node in self.followers:
                 continue
             wanted = self._wanted_ids(strategies, lambda b, p=position: strategies[b].inputs[p], position)
-            self._add_edge(producer, node, wanted, _nbytes(producer.meta.get("val")))
+            self._add_edge(producer, node, wanted, nbytes(producer.meta.get("val")))
 
     def _gradient_edges(self) -> None:
         for name, grad in self.program.grad_nodes.items():
             param = self.program.param_nodes[name]
             if grad in self.problem.decision_of and param in self.problem.decision_of:
-                self._add_edge(grad, param, self._output_ids(param), _nbytes(param.meta["val"]))
+                self._add_edge(grad, param, self._output_ids(param), nbytes(param.meta["val"]))
 
     def _tangent_edges(self) -> None:
         for tangent, index in self.program.tangent_nodes.items():
             output = self.program.output_nodes.get(index)
             if output in self.problem.decision_of and tangent in self.problem.decision_of:
-                self._add_edge(output, tangent, self._output_ids(tangent), _nbytes(tangent.meta["val"]))
+                self._add_edge(output, tangent, self._output_ids(tangent), nbytes(tangent.meta["val"]))
 
 
 def build_problem(program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival,
@@ -283,25 +289,3 @@ def build_problem(program: CapturedProgram, space: StrategySpace, cost: CostMode
     problem = _Builder(program, space, cost, arrival).build()
     problem.memory_budget = memory_budget
     return problem
-
-
-_VIEW_LIKE = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "detach", "alias", "unsqueeze", "squeeze",
-              "reshape", "slice", "select", "split", "getitem", "split_with_sizes"}
-
-
-def _is_free(node: fx.Node) -> bool:
-    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-    return name in _VIEW_LIKE
-
-
-def _nbytes(value) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
-def _node_flops(node: fx.Node) -> float:
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return 0.0
-    values = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
-    args = fx.node.map_aggregate(node.args, values)
-    kwargs = fx.node.map_aggregate(node.kwargs, values)
-    return float(_compat.node_flops(node.target, args, kwargs, node.meta.get("val")))

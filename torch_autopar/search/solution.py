@@ -39,8 +39,9 @@ def _nbytes(node: fx.Node) -> int:
 
 
 def to_sharding(program: CapturedProgram, problem: ShardingProblem, choice: list[int], mesh,
-                replicated_ops: Counter) -> Sharding:
-    """Specs for every decided node and a Redistribution wherever a consumer needs another layout."""
+                replicated_ops: Counter, arrival) -> Sharding:
+    """Specs for every decided node and a Redistribution wherever a consumer needs another layout, including
+    user inputs that the plan wants in another layout than the one they arrive in (``arrival(node)``)."""
     sharding = Sharding(specs={}, replicated_ops=Counter(replicated_ops))
     chosen = lambda node: choice[problem.decision_of[node]]  # noqa: E731
     for node in program.graph.graph.nodes:
@@ -49,11 +50,15 @@ def to_sharding(program: CapturedProgram, problem: ShardingProblem, choice: list
     for node in program.graph.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem or node not in problem.decision_of:
             continue
-        strategy = problem.decisions[problem.decision_of[node]].strategies[chosen(node)]
+        strategy = problem.node_strategy(node, chosen(node))
         for position, producer in enumerate(node.all_input_nodes):
             if producer in problem.decision_of:
                 _record(sharding, program, node, position, problem.node_output(producer, chosen(producer)),
                         strategy.inputs[position], _nbytes(producer))
+    for node in program.input_nodes.values():
+        if node in problem.decision_of:
+            _record(sharding, program, node, 0, arrival(node), problem.node_output(node, chosen(node)), _nbytes(node),
+                    backward=False)
     for tangent, index in program.tangent_nodes.items():
         output = program.output_nodes.get(index)
         if output in problem.decision_of and tangent in problem.decision_of:
@@ -63,9 +68,11 @@ def to_sharding(program: CapturedProgram, problem: ShardingProblem, choice: list
 
 
 def _record(sharding: Sharding, program: CapturedProgram, node: fx.Node, position: int, source, target,
-            nbytes: int) -> None:
+            nbytes: int, backward: bool | None = None) -> None:
     if source is None or target is None or tuple(source) == tuple(target):
         return
+    if backward is None:
+        backward = node.op == "placeholder" or program.is_backward(node)
     sharding.redistributions.append(Redistribution(
         node=node.name, arg_index=position, source=tuple(source), target=tuple(target), global_nbytes=nbytes,
-        backward=node.op == "placeholder" or program.is_backward(node)))
+        backward=backward))
