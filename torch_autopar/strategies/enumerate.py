@@ -199,21 +199,27 @@ def _flat_args(node: fx.Node) -> list:
     return flat
 
 
-def _has_strided(strategy: NodeStrategy) -> bool:
-    def strided(placements):
+def _is_exotic(placement) -> bool:
+    """Interleaved shards (from views of sharded dims) and partial values reduced by anything but a sum."""
+    name = type(placement).__name__
+    return name == "_StridedShard" or placement.is_partial() and getattr(placement, "reduce_op", "sum") != "sum"
+
+
+def _has_exotic(strategy: NodeStrategy) -> bool:
+    def check(placements):
         if placements is None:
             return False
-        if placements and isinstance(placements[0], tuple) or placements and placements[0] is None:
-            return any(strided(p) for p in placements)
-        return any(type(p).__name__ == "_StridedShard" for p in placements)
+        if placements and (isinstance(placements[0], tuple) or placements[0] is None):
+            return any(check(p) for p in placements)
+        return any(_is_exotic(p) for p in placements)
 
-    return strided(strategy.output) or any(strided(p) for p in strategy.inputs)
+    return check(strategy.output) or any(check(p) for p in strategy.inputs)
 
 
 def _dedupe(strategies: list[NodeStrategy]) -> list[NodeStrategy]:
-    """Unique strategies, without _StridedShard layouts (interleaved shards from views of sharded dims:
-    valid but never cheaper than the plain layouts they replace) unless nothing else is left."""
-    plain = [s for s in strategies if not _has_strided(s)]
+    """Unique strategies, without exotic layouts (interleaved shards, partial averages/maxima: valid, but their
+    sum-partial or plain counterparts cost the same to produce and resolve) unless nothing else is left."""
+    plain = [s for s in strategies if not _has_exotic(s)]
     strategies = plain or strategies
     seen, result = set(), []
     for strategy in strategies:
