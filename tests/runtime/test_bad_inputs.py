@@ -1,0 +1,158 @@
+"""Bad input gives a clear ``torch_autopar:`` error, never silently wrong gradients; models graph mode cannot
+capture still train in eager mode.
+
+One spawned 2-rank job tries every multi-rank case and reports each outcome as data (both ranks fail the same
+way, so no rank is left waiting in a collective); the tests below check the outcomes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_autopar as autopar
+from torch_autopar.testing import run_on_ranks
+from tests import support
+from tests.support import outcome
+
+UNEQUAL_GLOBAL_BATCH = 5
+"""Split 3 + 2 over two ranks."""
+
+
+def _unequal_step(rank, mode):
+    """One step with local batches of 3 and 2; returns the stage reached when it raised, and the outcome."""
+    model = support.build_model("mlp")
+    pmodel = autopar.compile(model, strategy="data_parallel", mode=mode)
+    x = torch.randn(UNEQUAL_GLOBAL_BATCH, 32, generator=torch.Generator().manual_seed(0))
+    local = x[:3] if rank == 0 else x[3:]
+    stage = ["forward"]
+
+    def step():
+        output = pmodel(local)
+        stage[0] = "backward"
+        output.square().mean().backward()
+
+    result = outcome(step)
+    # the job goes on: the next step, with equal slices, works
+    equal = outcome(lambda: pmodel(x[:4].chunk(2)[rank]).square().mean().backward())
+    return {"outcome": result, "stage": stage[0], "next_equal_step": equal[0]}
+
+
+def _train_branchy(rank, world, strategy, mode):
+    model = support.build_model("branchy")
+    pmodel = autopar.compile(model, strategy=strategy, mode=mode)
+    optimizer = support.make_optimizer("sgd", pmodel.parameters())
+    return support.train_steps(pmodel, "branchy", optimizer, rank, world), support.params_of(model)
+
+
+def _bad_inputs_job(rank, world):
+    x, _ = support.global_batch("mlp", 0)
+    straight_x, _ = support.global_batch("straight", 0)
+    plan = autopar.plan(support.build_model("straight"), straight_x, mesh_shape=(world,), strategy="data_parallel")
+    return {
+        "unequal": {mode: _unequal_step(rank, mode) for mode in ("eager", "graph")},
+        "full_batch_indivisible": outcome(lambda: autopar.compile(support.build_model("mlp"), strategy="data_parallel",
+                                                                  full_batch=True)(x[:5])),
+        "mesh_too_large": outcome(autopar.compile, support.build_model("mlp"), mesh=(2 * world,)),
+        "mesh_2d_too_large": outcome(autopar.compile, support.build_model("mlp"), mesh=(world, 2)),
+        "branchy_plan_eager": outcome(_train_branchy, rank, world, plan, "eager"),
+        "branchy_plan_graph": outcome(_train_branchy, rank, world, plan, "graph"),
+        "branchy_data_parallel_eager": outcome(_train_branchy, rank, world, "data_parallel", "eager"),
+    }
+
+
+@pytest.fixture(scope="module")
+def job():
+    return run_on_ranks(_bad_inputs_job, 2, timeout_s=240)
+
+
+def _assert_autopar_error(result, *fragments):
+    kind, message = result
+    assert kind == "AutoparError", f"expected an AutoparError, got {kind}: {message}"
+    assert message.startswith("torch_autopar:"), message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+@pytest.mark.parametrize(("mode", "stage"), [("eager", "backward"), ("graph", "forward")])
+def test_unequal_local_batches_raise(job, mode, stage):
+    for rank, result in enumerate(job):
+        entry = result["unequal"][mode]
+        _assert_autopar_error(entry["outcome"], "unequal size", f"this rank: {3 if rank == 0 else 2}",
+                              f"sum over 2 ranks: {UNEQUAL_GLOBAL_BATCH}")
+        assert entry["stage"] == stage
+        assert entry["next_equal_step"] == "ok"
+
+
+def test_full_batch_with_indivisible_global_batch_raises(job):
+    for result in job:
+        _assert_autopar_error(result["full_batch_indivisible"], "full_batch=True", "5")
+
+
+@pytest.mark.parametrize("key", ["mesh_too_large", "mesh_2d_too_large"])
+def test_mesh_not_covering_the_job_raises(job, key):
+    for result in job:
+        _assert_autopar_error(result[key], "4 devices", "2 ranks")
+
+
+def test_data_dependent_control_flow_trains_in_eager_mode_with_a_plan(job):
+    """A plan made for a model with the same parameters skips capture; eager runs the Python branch."""
+    ref_losses, ref_params = support.reference_run("branchy", "sgd")
+    results = [result["branchy_plan_eager"] for result in job]
+    assert all(kind == "ok" for kind, _ in results), results
+    mean = [sum(value[0][s] for _, value in results) / len(results) for s in range(support.STEPS)]
+    support.assert_losses_close(mean, ref_losses, what="branchy eager")
+    for rank, (_, (_, params)) in enumerate(results):
+        support.assert_params_close(params, ref_params, what=f"branchy eager rank {rank}")
+
+
+def test_data_dependent_control_flow_in_graph_mode_raises(job):
+    for result in job:
+        _assert_autopar_error(result["branchy_plan_graph"], "eager")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug: compile(..., strategy='data_parallel') always captures the model at the first call "
+    "(api._Planner -> capture/program.py capture), even in eager mode; on data-dependent control flow "
+    "aot_export_joint_with_descriptors raises torch._subclasses.fake_tensor.DataDependentOutputException, which "
+    "capture() does not catch, so eager mode cannot train such a model (the capture error message even "
+    "recommends exactly this eager + 'data_parallel' combination)"))
+def test_data_dependent_control_flow_trains_in_eager_mode_with_explicit_strategy(job):
+    ref_losses, ref_params = support.reference_run("branchy", "sgd")
+    results = [result["branchy_data_parallel_eager"] for result in job]
+    assert all(kind == "ok" for kind, _ in results), results
+    mean = [sum(value[0][s] for _, value in results) / len(results) for s in range(support.STEPS)]
+    support.assert_losses_close(mean, ref_losses, what="branchy eager")
+    for rank, (_, (_, params)) in enumerate(results):
+        support.assert_params_close(params, ref_params, what=f"branchy eager rank {rank}")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug: capture/program.py capture() only turns dynamo's Unsupported/UserError/TorchRuntimeError into "
+    "an AutoparError; tracing data-dependent control flow raises "
+    "torch._subclasses.fake_tensor.DataDependentOutputException, which reaches the user raw"))
+def test_graph_mode_rejects_data_dependent_control_flow_with_default_strategy():
+    x, _ = support.global_batch("branchy", 0)
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: .*eager"):
+        autopar.compile(support.build_model("branchy"), mode="graph")(x)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug: in eager mode compile() still captures the model to plan it (api._Planner -> capture), and "
+    "capture raises DataDependentOutputException on data-dependent control flow, so the eager (PyNative) mode "
+    "cannot run such a model at all"))
+def test_eager_mode_runs_data_dependent_control_flow_with_default_strategy():
+    x, _ = support.global_batch("branchy", 0)
+    output = autopar.compile(support.build_model("branchy"), mode="eager")(x)
+    torch.testing.assert_close(output, support.build_model("branchy")(x), rtol=0, atol=0)
+
+
+def test_graph_mode_rejects_data_dependent_control_flow_in_one_process():
+    x, _ = support.global_batch("branchy", 0)
+    plan = autopar.plan(support.build_model("straight"), x, mesh_shape=(1,), strategy="data_parallel")
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: graph mode .*eager"):
+        autopar.compile(support.build_model("branchy"), strategy=plan, mode="graph")(x)
+    eager = autopar.compile(support.build_model("branchy"), strategy=plan, mode="eager")
+    for step in range(2):  # both branches
+        x, _ = support.global_batch("branchy", step)
+        torch.testing.assert_close(eager(x), support.build_model("branchy")(x), rtol=0, atol=0)
