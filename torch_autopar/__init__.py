@@ -4,7 +4,7 @@ Public names follow ../shared/docs/ARCHITECTURE.md (a contract: extend, never re
 """
 
 from torch_autopar.api import compile, plan
-from torch_autopar.cost import HardwareProfile
+from torch_autopar.cost import HardwareProfile, profile
 from torch_autopar.errors import AutoparError
 from torch_autopar.launch import get_rank, get_world_size, init
 from torch_autopar.runtime import ParallelModule, get_mode, mode, set_mode
@@ -14,4 +14,4 @@ from torch_autopar.search import Plan
 __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "HardwareProfile", "Model", "ParallelModule", "Plan", "compile", "get_mode",
-           "get_rank", "get_world_size", "init", "mode", "plan", "set_mode"]
+           "get_rank", "get_world_size", "init", "mode", "plan", "profile", "set_mode"]

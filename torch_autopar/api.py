@@ -13,6 +13,7 @@ import torch
 
 from torch_autopar import launch
 from torch_autopar.capture import capture, fake_global_inputs
+from torch_autopar.capture.fold import folded_layers
 from torch_autopar.capture.program import TensorInfo
 from torch_autopar.cost import get_profile
 from torch_autopar.errors import AutoparError
@@ -44,30 +45,37 @@ def _global_batch(args, kwargs) -> int | None:
 
 
 def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes,
-                  executable: bool, solver: str = "auto"):
+                  executable: bool, solver: str = "auto", fold_layers: bool = False):
     started = time.perf_counter()
     fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, batch_factor)
-    program = capture(module, fake_args, fake_kwargs)
+    with folded_layers(module, enabled=fold_layers) as folding:
+        program = capture(module, fake_args, fake_kwargs)
     captured = time.perf_counter()
     names = mesh.mesh_dim_names or launch.default_axis_names(mesh.ndim)
     result = build_plan(program, mesh, names, strategy=strategy, hardware=get_profile(hardware),
                         memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
-                        global_batch=_global_batch(fake_args, fake_kwargs), executable=executable, solver=solver)
+                        global_batch=_global_batch(fake_args, fake_kwargs), executable=executable, solver=solver,
+                        folding=folding)
     result.search_stats.update({"capture_s": captured - started, "total_s": time.perf_counter() - started})
     return result
 
 
 def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h100", strategy="auto",
          memory_budget=None, axis_names=None, example_kwargs=None,
-         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto") -> Plan:
-    """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK)."""
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto", fold_layers: bool = True) -> Plan:
+    """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK).
+
+    solver: "auto" (exact MILP unless the problem is too large, then propagation), "milp" or "propagate".
+    fold_layers: capture only the first, one middle and the last layer of long lists of identical layers and
+    weigh the middle one by the number of layers it stands for (see capture.fold); False captures every layer."""
     check_strategy(strategy)
     if isinstance(strategy, Plan):
         return strategy
     with launch.offline_mesh(mesh_shape, axis_names) as mesh:
         return _plan_on_mesh(model, _as_tuple(example_inputs), dict(example_kwargs or {}), mesh, batch_factor=1,
                              strategy=strategy, hardware=hardware, memory_budget=memory_budget,
-                             bucket_cap_bytes=bucket_cap_bytes, executable=False, solver=solver)
+                             bucket_cap_bytes=bucket_cap_bytes, executable=False, solver=solver,
+                             fold_layers=fold_layers)
 
 
 class _Planner:

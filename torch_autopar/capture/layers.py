@@ -100,3 +100,18 @@ def _tie_parameters(program: CapturedProgram, representative: dict) -> None:
             representative[node] = by_key[key]
         else:
             by_key[key] = node
+
+
+def node_weights(program: CapturedProgram, folding) -> dict[fx.Node, int]:
+    """How many real nodes each captured node stands for under ``folding`` (absent: 1)."""
+    if folding is None or not folding.lengths:
+        return {}
+    weights = {}
+    for (layer, _), nodes in _segments(program).items():
+        if layer is not None and (weight := folding.layer_weight(*layer)) != 1:
+            weights.update({node: weight for node in nodes})
+    for name, node in program.param_nodes.items():
+        layer = layer_of_param(name)
+        if layer is not None and (weight := folding.layer_weight(*layer)) != 1:
+            weights[node] = weight
+    return weights

@@ -79,7 +79,7 @@ class CapturedProgram:
 
     def fingerprint(self) -> str:
         """Identifies the model's parameters (names, shapes, dtypes): a plan is only valid for this."""
-        text = ";".join(f"{name}:{info.shape}:{info.dtype}" for name, info in self.params.items())
+        text = ";".join(f"{name}:{info.shape}:{info.dtype}" for name, info in sorted(self.params.items()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -1,6 +1,7 @@
-"""Evaluate one propagated sharding: compute and communication time, collectives, memory per device.
+"""Evaluate one placement of a captured program: compute and communication time, collectives, memory.
 
-Must never change the sharding it is given.
+Every plan, propagated or searched, is priced here, so candidates compare on equal terms. ``weights`` says how
+many real nodes a captured node stands for (folded layers). Must never change the placement it is given.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ ADAM_STATE_PER_PARAM = 2
 
 @dataclass(kw_only=True)
 class Estimate:
+    weights: dict = field(default_factory=dict)
     forward_compute: float = 0.0
     backward_compute: float = 0.0
     collectives: list[PlannedCollective] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
     exposed_comm: float = 0.0
+
+    def weight(self, node: fx.Node) -> int:
+        return self.weights.get(node, 1)
 
     @property
     def compute(self) -> float:
@@ -57,35 +62,38 @@ def _node_compute(node: fx.Node, sharding: Sharding, cost: CostModel) -> float:
 
 def add_compute(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
     for node in program.graph.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or is_free(node):
             continue
-        if is_free(node):
-            continue
-        seconds = _node_compute(node, sharding, cost)
+        seconds = _node_compute(node, sharding, cost) * estimate.weight(node)
         if program.is_backward(node):
             estimate.backward_compute += seconds
         else:
             estimate.forward_compute += seconds
 
 
-def add_redistributions(estimate: Estimate, sharding: Sharding, cost: CostModel, axis_names) -> None:
+def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
+                        axis_names) -> None:
+    by_name = {node.name: node for node in program.graph.graph.nodes}
     for redistribution in sharding.redistributions:
+        count = estimate.weight(by_name[redistribution.node])
         for c in collectives_for(redistribution.source, redistribution.target, redistribution.global_nbytes, cost.mesh_shape):
             estimate.collectives.append(PlannedCollective(
                 kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes,
                 phase="backward" if redistribution.backward else "forward", where=redistribution.node,
-                seconds=cost.collective_time(c.kind, c.axis, c.nbytes)))
+                seconds=cost.collective_time(c.kind, c.axis, c.nbytes), count=count))
 
 
-def add_grad_sync(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
-                  buckets: list[list[str]], param_placements: dict, axis_names) -> None:
-    """One collective per bucket and mesh axis on which the gradients are partial sums."""
+def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, buckets: list[list[str]],
+                  grad_node, param_nbytes: dict, param_placements: dict, axis_names) -> None:
+    """One collective per bucket and mesh axis on which the gradients are not yet in their parameter's layout.
+
+    ``grad_node(name)``: the captured node computing parameter ``name``'s gradient (None: no gradient)."""
     for index, bucket in enumerate(buckets):
-        first = program.grad_nodes[bucket[0]]
-        source = sharding.specs[first].placements
-        target = param_placements[bucket[0]]
-        nbytes = sum(program.params[name].nbytes for name in bucket)
-        for c in collectives_for(source, target, nbytes, cost.mesh_shape):
+        first = grad_node(bucket[0])
+        if first is None:
+            continue
+        nbytes = sum(param_nbytes[name] for name in bucket)
+        for c in collectives_for(sharding.specs[first].placements, param_placements[bucket[0]], nbytes, cost.mesh_shape):
             estimate.collectives.append(PlannedCollective(
                 kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes, phase="grad_sync",
                 where=f"bucket{index}", seconds=cost.collective_time(c.kind, c.axis, c.nbytes)))
@@ -93,20 +101,21 @@ def add_grad_sync(estimate: Estimate, program: CapturedProgram, sharding: Shardi
 
 def add_exposed_comm(estimate: Estimate) -> None:
     """Forward/backward redistributions are exposed; gradient sync hides behind backward except the last bucket."""
-    blocking = sum(c.seconds for c in estimate.collectives if c.phase != "grad_sync")
+    blocking = sum(c.seconds * c.count for c in estimate.collectives if c.phase != "grad_sync")
     grad = [c for c in estimate.collectives if c.phase == "grad_sync"]
-    total_grad = sum(c.seconds for c in grad)
+    total_grad = sum(c.seconds * c.count for c in grad)
     last_bucket = sum(c.seconds for c in grad if c.where == grad[-1].where) if grad else 0.0
     estimate.exposed_comm = blocking + max(last_bucket, total_grad - estimate.backward_compute)
 
 
 def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
-    params = sum(_local_nbytes(n.meta["val"], sharding.specs[n], cost) for n in program.param_nodes.values())
-    buffers = sum(_local_nbytes(n.meta["val"], sharding.specs[n], cost) for n in program.buffer_nodes.values())
+    local = lambda node: _local_nbytes(node.meta.get("val"), sharding.specs.get(node), cost) * estimate.weight(node)  # noqa: E731
+    params = sum(local(node) for node in program.param_nodes.values())
+    buffers = sum(local(node) for node in program.buffer_nodes.values())
     saved = 0
     for node in program.graph.graph.nodes:
         if node.op == "call_function" and not program.is_backward(node) and not is_free(node):
             if any(program.is_backward(user) for user in node.users):
-                saved += _local_nbytes(node.meta.get("val"), sharding.specs.get(node), cost)
+                saved += local(node)
     estimate.memory = {"parameters": params + buffers, "gradients": params,
                        "optimizer": ADAM_STATE_PER_PARAM * params, "activations": saved}

@@ -32,8 +32,9 @@ def _collective_summary(plan) -> list[str]:
     for c in plan.collectives:
         groups.setdefault((c.kind, c.phase, c.axis), []).append(c)
     for (kind, phase, axis), items in sorted(groups.items()):
-        lines.append(f"  {kind:<14} {phase:<9} {axis:<6} x{len(items):<4} {_bytes(sum(c.nbytes for c in items)):>11}"
-                     f"  {_seconds(sum(c.seconds for c in items))}")
+        count = sum(c.count for c in items)
+        lines.append(f"  {kind:<14} {phase:<9} {axis:<6} x{count:<4} {_bytes(sum(c.nbytes * c.count for c in items)):>11}"
+                     f"  {_seconds(sum(c.seconds * c.count for c in items))}")
     return lines
 
 

@@ -27,6 +27,9 @@ class PlannedCollective:
     where: str
     """The graph node or gradient bucket it belongs to."""
     seconds: float
+    """Per instance."""
+    count: int = 1
+    """Instances per step (a folded middle layer's collective stands for one per real layer)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,11 +80,12 @@ class Plan:
         counts: dict[tuple[str, str], int] = {}
         for collective in self.collectives:
             key = (collective.kind, collective.phase)
-            counts[key] = counts.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + collective.count
         return counts
 
     def comm_bytes(self) -> int:
-        return sum(c.nbytes for c in self.collectives)
+        """Bytes per rank moved by collectives in one step."""
+        return sum(c.nbytes * c.count for c in self.collectives)
 
     def check_compatible(self, fingerprint: str, world_size: int) -> None:
         """Raise a clear error when this plan was made for another model or another number of ranks."""

@@ -17,6 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from torch_autopar.capture import CapturedProgram
+from torch_autopar.capture.fold import Folding
+from torch_autopar.capture.layers import node_weights
 from torch_autopar.cost import CostModel, HardwareProfile
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
@@ -50,11 +52,16 @@ def check_strategy(strategy, *, executable: bool = False) -> None:
         )
 
 
-def _layer_rows(program: CapturedProgram, placements: dict, buckets, cost: CostModel, estimate) -> list[LayerRow]:
+def _fingerprint(infos: dict) -> str:
+    """Same fingerprint as ``CapturedProgram.fingerprint`` but over the real (unfolded) parameters."""
+    return CapturedProgram.fingerprint(type("Params", (), {"params": infos})())
+
+
+def _layer_rows(infos: dict, placements: dict, buckets, cost: CostModel, estimate) -> list[LayerRow]:
     synced = {c.where for c in estimate.collectives if c.phase == "grad_sync"}
     in_synced_bucket = {name for index, bucket in enumerate(buckets) if f"bucket{index}" in synced for name in bucket}
     rows: dict[str, dict] = {}
-    for name, info in program.params.items():
+    for name, info in infos.items():
         layer = name.rsplit(".", 1)[0] if "." in name else "(root)"
         row = rows.setdefault(layer, {"numel": 0, "placements": set(), "sync": 0, "memory": 0})
         local = info.nbytes // cost.shard_factor(placements[name])
@@ -71,13 +78,15 @@ class Planner:
 
     def __init__(self, program: CapturedProgram, mesh: DeviceMesh, axis_names, *, hardware: HardwareProfile,
                  memory_budget: int | None = None, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
-                 global_batch: int | None = None, solver: str = "auto", time_limit_s: float = 60.0):
+                 global_batch: int | None = None, solver: str = "auto", time_limit_s: float = 60.0,
+                 folding=None):
         self.program, self.mesh, self.axis_names = program, mesh, tuple(axis_names)
         self.cost = CostModel(hardware, tuple(mesh.shape))
         self.budget = memory_budget if memory_budget is not None else hardware.memory_bytes
         self.bucket_cap_bytes, self.global_batch = bucket_cap_bytes, global_batch
         self.solver, self.time_limit_s = solver, time_limit_s
-        self.stats: dict = {}
+        self.folding = folding if folding is not None else Folding()
+        self.weights = node_weights(program, self.folding)
 
     # one candidate ----------------------------------------------------------------------------------------------
     def propagated(self, strategy: str) -> Plan:
@@ -100,7 +109,7 @@ class Planner:
         space = enumerate_strategies(self.program, self.mesh, leaf_filter(self.program, roles))
         generated = time.perf_counter()
         arrival = lambda node: tuple(Shard(0) for _ in range(self.mesh.ndim))  # noqa: E731
-        problem = build_problem(self.program, space, self.cost, arrival, self.budget)
+        problem = build_problem(self.program, space, self.cost, arrival, self.budget, self.weights)
         built = time.perf_counter()
         _, edge_vars = problem.size()
         if self.solver == "propagate" or self.solver == "auto" and edge_vars > MAX_EXACT_EDGE_VARIABLES:
@@ -125,28 +134,37 @@ class Planner:
                           "among propagated data-parallel and fully-sharded seeds")
         return best
 
-    def _plan(self, strategy: str, sharding, param_placements: dict) -> Plan:
-        ready = self.program.grad_ready_order()
-        nbytes = {name: self.program.params[name].nbytes for name in ready}
-        dtypes = {name: self.program.params[name].dtype for name in ready}
-        buckets = assign_buckets(ready, nbytes, self.bucket_cap_bytes, dtypes)
-        estimate = est.Estimate()
-        est.add_compute(estimate, self.program, sharding, self.cost)
-        est.add_redistributions(estimate, sharding, self.cost, self.axis_names)
-        est.add_grad_sync(estimate, self.program, sharding, self.cost, buckets, param_placements, self.axis_names)
+    def _real_params(self, captured: dict) -> dict:
+        """Per real parameter name, the value given for the captured parameter standing for it."""
+        return {real: value for name, value in captured.items() for real in self.folding.real_names(name)}
+
+    def _plan(self, strategy: str, sharding, captured_placements: dict) -> Plan:
+        program, fold = self.program, self.folding
+        ready = fold.real_order(program.grad_ready_order())
+        infos = self._real_params(program.params)
+        placements = self._real_params(captured_placements)
+        buckets = assign_buckets(ready, {n: infos[n].nbytes for n in ready}, self.bucket_cap_bytes,
+                                 {n: infos[n].dtype for n in ready})
+        estimate = est.Estimate(weights=self.weights)
+        est.add_compute(estimate, program, sharding, self.cost)
+        est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names)
+        est.add_grad_sync(estimate, sharding, self.cost, buckets,
+                          lambda name: program.grad_nodes.get(fold.captured_name(name)),
+                          {n: info.nbytes for n, info in infos.items()}, placements, self.axis_names)
         est.add_exposed_comm(estimate)
-        est.add_memory(estimate, self.program, sharding, self.cost)
-        inputs = {i: format_placements(sharding.specs[n].placements) for i, n in self.program.input_nodes.items()
+        est.add_memory(estimate, program, sharding, self.cost)
+        inputs = {i: format_placements(sharding.specs[n].placements) for i, n in program.input_nodes.items()
                   if hasattr(sharding.specs.get(n), "placements")}
         return Plan(
             strategy=strategy, mesh_shape=tuple(self.mesh.shape), axis_names=self.axis_names,
-            hardware=self.cost.hardware.name, fingerprint=self.program.fingerprint(), global_batch=self.global_batch,
-            param_placements={k: format_placements(v) for k, v in param_placements.items()},
+            hardware=self.cost.hardware.name, fingerprint=_fingerprint(infos), global_batch=self.global_batch,
+            param_placements={k: format_placements(v) for k, v in placements.items()},
             input_placements=inputs, grad_buckets=buckets, collectives=estimate.collectives,
-            layers=_layer_rows(self.program, param_placements, buckets, self.cost, estimate),
+            layers=_layer_rows(infos, placements, buckets, self.cost, estimate),
             replicated_ops=dict(sharding.replicated_ops), compute_time=estimate.compute,
             exposed_comm_time=estimate.exposed_comm, estimated_step_time=estimate.step_time,
-            peak_memory=estimate.peak_memory, memory_breakdown=estimate.memory, search_stats={"seed": strategy},
+            peak_memory=estimate.peak_memory, memory_breakdown=estimate.memory,
+            search_stats={"seed": strategy, "folded_layers": dict(fold.lengths)},
         )
 
     # choosing ---------------------------------------------------------------------------------------------------
@@ -192,8 +210,8 @@ class Planner:
 def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strategy: str = "auto",
                hardware: HardwareProfile, memory_budget: int | None = None,
                bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, global_batch: int | None = None,
-               executable: bool = False, solver: str = "auto") -> Plan:
+               executable: bool = False, solver: str = "auto", folding=None) -> Plan:
     """The best plan for ``program`` on ``mesh`` among the candidates ``strategy`` allows."""
     planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
-                      bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver)
+                      bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver, folding=folding)
     return planner.plan(strategy, executable=executable)

@@ -117,8 +117,9 @@ class ReshardTable:
 
 
 class _Builder:
-    def __init__(self, program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival):
+    def __init__(self, program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival, weights: dict):
         self.program, self.space, self.cost, self.arrival = program, space, cost, arrival
+        self.weights = weights
         self.tied = find_repeated_layers(program)
         self.problem = ShardingProblem(decisions=[], edges={}, decision_of={})
         self.table = ReshardTable(cost)
@@ -189,6 +190,9 @@ class _Builder:
         return True
 
     def _node_cost(self, node: fx.Node, strategies) -> np.ndarray:
+        return self.weights.get(node, 1) * self._unweighted_cost(node, strategies)
+
+    def _unweighted_cost(self, node: fx.Node, strategies) -> np.ndarray:
         if node.op == "placeholder":
             if node in self.program.input_nodes.values():
                 value = node.meta["val"]
@@ -214,6 +218,7 @@ class _Builder:
             factor = 1
         else:
             return np.zeros(len(strategies))
+        factor *= self.weights.get(node, 1)
         return np.array([factor * nbytes(value) / self.cost.shard_factor(s.output) for s in strategies])
 
     def _saved_for_backward(self) -> set:
@@ -255,7 +260,7 @@ class _Builder:
         if key not in self.matrix_cache:
             self.table.ensure(max(out_ids.max(initial=0), wanted_ids.max(initial=0)))
             self.matrix_cache[key] = self.table.matrix(out_ids, wanted_ids, nbytes)
-        matrix = self.matrix_cache[key]
+        matrix = self.matrix_cache[key] * self.weights.get(consumer, 1)
         if du == dv:
             self.problem.decisions[du].cost += np.diag(matrix)
         elif matrix.any():
@@ -284,8 +289,9 @@ class _Builder:
 
 
 def build_problem(program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival,
-                  memory_budget: float = float("inf")) -> ShardingProblem:
-    """``arrival(node)``: the placements a user input arrives in (each rank's slice: Shard(0) on every axis)."""
-    problem = _Builder(program, space, cost, arrival).build()
+                  memory_budget: float = float("inf"), weights: dict | None = None) -> ShardingProblem:
+    """``arrival(node)``: the placements a user input arrives in (each rank's slice: Shard(0) on every axis).
+    ``weights``: how many real nodes a captured node stands for (folded layers; absent: 1)."""
+    problem = _Builder(program, space, cost, arrival, weights or {}).build()
     problem.memory_budget = memory_budget
     return problem

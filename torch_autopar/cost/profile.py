@@ -1,0 +1,249 @@
+"""``autopar.profile()``: measure the hardware at hand and return a ``HardwareProfile`` the planner accepts.
+
+What is measured, on every rank of the default process group (or in this process alone):
+  compute    fp32 matmul FLOP/s (best of a few n x n products: 2 n^3 FLOPs each)
+  memory     bandwidth of a large copy (read + write: 2 x bytes per copy)
+  overhead   time of a tiny op (the per-op cost of the roofline)
+  links      all_reduce and all_gather of several message sizes, fitted to the ring formulas of
+             ``cost.model`` by least squares: t = steps(p) * alpha + volume(p) * n * beta, with
+             all_reduce steps 2(p-1), volume 2(p-1)/p; all_gather steps p-1, volume (p-1)/p
+             (n: full buffer bytes per rank, the output of all_gather).
+Ranks agree on one profile: the slowest rank's compute and the slowest rank's collective times count. The
+measured link is the one the default group's ring crosses: the intra-node link when the job fits one node,
+the inter-node link otherwise; the other link, and both in a one-process run, keep the base profile's figures.
+Must never plan anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from scipy.optimize import nnls
+
+from torch_autopar.cost.hardware import PROFILES, HardwareProfile, Link, get_profile
+from torch_autopar.errors import AutoparError
+from torch_autopar.launch import detect_backend
+
+DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+"""Collective message sizes in bytes (full buffer per rank)."""
+
+_RING = {"all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p), "all_gather": lambda p: (p - 1, (p - 1) / p)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sample:
+    """One timed collective: ``seconds`` for ``kind`` of ``nbytes`` (full buffer per rank) on ``world`` ranks."""
+
+    kind: str
+    nbytes: int
+    world: int
+    seconds: float
+
+
+def fit_alpha_beta(samples: list[Sample]) -> tuple[float, float]:
+    """(alpha seconds per step, beta seconds per byte) fitting ``samples`` to the ring formulas.
+
+    Non-negative least squares on relative errors (each row divided by its time), so small messages, which
+    fix alpha, weigh as much as large ones, which fix beta. A coefficient the data cannot resolve (fitted as 0)
+    falls back to its upper bound from the sample that depends on it most, so both are positive."""
+    if not samples:
+        raise AssertionError("fit_alpha_beta needs at least one sample")
+    rows = np.array([[_RING[s.kind](s.world)[0], _RING[s.kind](s.world)[1] * s.nbytes] for s in samples], dtype=float)
+    times = np.array([s.seconds for s in samples], dtype=float)
+    (alpha, beta), _ = nnls(rows / times[:, None], np.ones(len(samples)))
+    if not alpha > 0:
+        smallest = int(np.argmin(rows[:, 1] / rows[:, 0]))
+        alpha = times[smallest] / rows[smallest, 0]
+    if not beta > 0:
+        largest = int(np.argmax(rows[:, 1] / rows[:, 0]))
+        beta = times[largest] / rows[largest, 1]
+    return float(alpha), float(beta)
+
+
+# devices -----------------------------------------------------------------------------------------------------
+def _device() -> torch.device:
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        if backend == "hccl":
+            return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize()  # type: ignore[attr-defined]
+
+
+def _best_time(fn, device: torch.device, repeats: int) -> float:
+    """Fastest of ``repeats`` timed calls after one warm-up call."""
+    fn()
+    _sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+# measurements ------------------------------------------------------------------------------------------------
+def measure_matmul_flops(device: torch.device, n: int, repeats: int, dtype=torch.float32) -> float:
+    """FLOP/s of an ``n x n`` by ``n x n`` matmul (2 n^3 FLOPs)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / _best_time(lambda: torch.mm(a, b), device, repeats)
+
+
+def measure_memory_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes/s of copying ``nbytes`` (counted twice: read and write)."""
+    source = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * 4 / _best_time(lambda: target.copy_(source), device, repeats)
+
+
+def measure_op_overhead(device: torch.device, repeats: int, ops: int = 200) -> float:
+    """Seconds per tiny op (a one-element add), from ``ops`` ops in a row."""
+    x = torch.ones(1, device=device)
+
+    def run():
+        for _ in range(ops):
+            x.add_(0.0)
+
+    return _best_time(run, device, repeats) / ops
+
+
+def _timed_collective(kind: str, nbytes: int, world: int, device: torch.device, repeats: int) -> float:
+    numel = max(world, nbytes // 4 // world * world)
+    if kind == "all_reduce":
+        buffer = torch.ones(numel, device=device)
+        run = lambda: dist.all_reduce(buffer)  # noqa: E731
+    else:
+        output = torch.empty(numel, device=device)
+        piece = torch.ones(numel // world, device=device)
+        run = lambda: dist.all_gather_into_tensor(output, piece)  # noqa: E731
+    run()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        _sync(device)
+        started = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure_collectives(device: torch.device, sizes, repeats: int) -> list[Sample]:
+    """Median time of all_reduce and all_gather per size on the default group (the slowest rank's)."""
+    world = dist.get_world_size()
+    samples = []
+    for kind in ("all_reduce", "all_gather"):
+        for nbytes in sizes:
+            seconds = _timed_collective(kind, nbytes, world, device, repeats)
+            numel = max(world, nbytes // 4 // world * world)
+            samples.append(Sample(kind=kind, nbytes=numel * 4, world=world, seconds=seconds))
+    slowest = _agree(torch.tensor([s.seconds for s in samples], dtype=torch.float64), dist.ReduceOp.MAX, device)
+    return [dataclasses.replace(s, seconds=float(t)) for s, t in zip(samples, slowest)]
+
+
+def _agree(values: torch.Tensor, op, device: torch.device) -> torch.Tensor:
+    """``values`` reduced over all ranks with ``op`` (identity in one process)."""
+    if not dist.is_initialized():
+        return values
+    values = values.to(device)
+    dist.all_reduce(values, op=op)
+    return values.cpu()
+
+
+# the profile -------------------------------------------------------------------------------------------------
+def _base_profile(base, device: torch.device) -> HardwareProfile:
+    if base is not None:
+        return get_profile(base)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        return next((p for key, p in PROFILES.items() if key in name), PROFILES["a100"])
+    if device.type == "npu":
+        return PROFILES["ascend-910b"]
+    return PROFILES["cpu-gloo"]
+
+
+def _memory_capacity(device: torch.device, base: HardwareProfile, local_world: int) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_world, 1))
+        except (ValueError, OSError):
+            pass
+    return base.memory_bytes
+
+
+def _check_sizes(sizes) -> tuple[int, ...]:
+    sizes = tuple(int(s) for s in sizes)
+    if len(sizes) < 2 or any(s <= 0 for s in sizes):
+        raise AutoparError(f"profile(sizes={sizes}): expected at least two positive message sizes in bytes, "
+                           "e.g. sizes=(4096, 1 << 20), so that latency and bandwidth can be told apart.")
+    return sizes
+
+
+def profile(path=None, *, sizes=DEFAULT_SIZES, base=None, matmul_size: int | None = None,
+            copy_bytes: int | None = None, repeats: int = 5) -> HardwareProfile:
+    """Measure compute, memory bandwidth and (with a process group) the collectives of the ranks at hand.
+
+    path: where to save the profile as JSON (rank 0 writes; ``hardware=path`` then uses it).
+    sizes: collective message sizes in bytes. base: the profile (name, path or object) whose figures are kept
+    for what is not measured; None picks one for the device. matmul_size / copy_bytes: problem sizes (None:
+    1024 / 64 MiB on CPU, 8192 / 1 GiB on accelerators). Every rank of the default group must call it."""
+    sizes = _check_sizes(sizes)
+    if repeats < 1:
+        raise AutoparError(f"profile(repeats={repeats}): expected at least 1 timed repetition.")
+    device = _device()
+    accelerated = device.type != "cpu"
+    base_profile = _base_profile(base, device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    measured = torch.tensor([
+        measure_matmul_flops(device, matmul_size or (8192 if accelerated else 1024), repeats),
+        measure_memory_bandwidth(device, copy_bytes or ((1 << 30) if accelerated else (64 << 20)), repeats),
+    ], dtype=torch.float64)
+    flops, bandwidth = (float(v) for v in _agree(measured, dist.ReduceOp.MIN, device))
+    overhead = float(_agree(torch.tensor([measure_op_overhead(device, repeats)], dtype=torch.float64),
+                            dist.ReduceOp.MAX, device)[0])
+    intra, inter = base_profile.intra_node, base_profile.inter_node
+    source = "measured (compute only: one process, links from the base profile)"
+    if world > 1:
+        alpha, beta = fit_alpha_beta(measure_collectives(device, sizes, repeats))
+        link = Link(latency_s=alpha, bandwidth=1.0 / beta)
+        intra, inter = (link, inter) if world <= local_world else (intra, link)
+        source = f"measured (compute and {'intra' if world <= local_world else 'inter'}-node collectives)"
+    backend = dist.get_backend() if dist.is_initialized() else detect_backend()
+    result = HardwareProfile(
+        name=f"measured-{backend}-{world}", flops={"float32": flops}, memory_bandwidth=bandwidth,
+        memory_bytes=_memory_capacity(device, base_profile, local_world),
+        devices_per_node=local_world if world > 1 else base_profile.devices_per_node,
+        intra_node=intra, inter_node=inter, compute_efficiency=1.0, comm_efficiency=1.0, op_overhead_s=overhead,
+        source=f"{source}; base {base_profile.name}")
+    if path is not None:
+        _save(result, path)
+    return result
+
+
+def _save(result: HardwareProfile, path) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(path, "w") as handle:
+            handle.write(result.to_json())
+    if dist.is_initialized():
+        dist.barrier()
