@@ -4,10 +4,9 @@ What is measured, on every rank of the default process group (or in this process
   compute    fp32 matmul FLOP/s (best of a few n x n products: 2 n^3 FLOPs each)
   memory     bandwidth of a large copy (read + write: 2 x bytes per copy)
   overhead   time of a tiny op (the per-op cost of the roofline)
-  links      all_reduce and all_gather of several message sizes, fitted to the ring formulas of
-             ``cost.model`` by least squares: t = steps(p) * alpha + volume(p) * n * beta, with
-             all_reduce steps 2(p-1), volume 2(p-1)/p; all_gather steps p-1, volume (p-1)/p
-             (n: full buffer bytes per rank, the output of all_gather).
+  links      all_reduce and all_gather of several message sizes, fitted by least squares to the ring formulas
+             of ``CostModel``: t = steps(p)·alpha + volume(p)·n·beta (all_reduce 2(p-1) and 2(p-1)/p,
+             all_gather p-1 and (p-1)/p; n: full buffer bytes per rank, the output of all_gather).
 Ranks agree on one profile: the slowest rank's compute and the slowest rank's collective times count. The
 measured link is the one the default group's ring crosses: the intra-node link when the job fits one node,
 the inter-node link otherwise; the other link, and both in a one-process run, keep the base profile's figures.
@@ -28,13 +27,22 @@ import torch.distributed as dist
 from scipy.optimize import nnls
 
 from torch_autopar.cost.hardware import PROFILES, HardwareProfile, Link, get_profile
+from torch_autopar.cost.model import CostModel
 from torch_autopar.errors import AutoparError
 from torch_autopar.launch import detect_backend
 
 DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 """Collective message sizes in bytes (full buffer per rank)."""
 
-_RING = {"all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p), "all_gather": lambda p: (p - 1, (p - 1) / p)}
+
+
+def ring_terms(kind: str, world: int) -> tuple[float, float]:
+    """(steps, volume) of ``kind`` on ``world`` ranks as ``CostModel`` prices it: t = steps·alpha + volume·n·beta
+    (read off a unit link, so the fit follows the cost model's formulas)."""
+    unit = Link(latency_s=1.0, bandwidth=1.0)
+    hardware = HardwareProfile(name="unit", flops={"float32": 1.0}, memory_bandwidth=1.0, memory_bytes=1,
+                               devices_per_node=world, intra_node=unit, inter_node=unit, comm_efficiency=1.0)
+    return CostModel(hardware, (world,)).collective_coefficients(kind, 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,7 +63,8 @@ def fit_alpha_beta(samples: list[Sample]) -> tuple[float, float]:
     falls back to its upper bound from the sample that depends on it most, so both are positive."""
     if not samples:
         raise AssertionError("fit_alpha_beta needs at least one sample")
-    rows = np.array([[_RING[s.kind](s.world)[0], _RING[s.kind](s.world)[1] * s.nbytes] for s in samples], dtype=float)
+    terms = [ring_terms(s.kind, s.world) for s in samples]
+    rows = np.array([[steps, volume * s.nbytes] for (steps, volume), s in zip(terms, samples)], dtype=float)
     times = np.array([s.seconds for s in samples], dtype=float)
     (alpha, beta), _ = nnls(rows / times[:, None], np.ones(len(samples)))
     if not alpha > 0:
@@ -133,7 +142,8 @@ def _timed_collective(kind: str, nbytes: int, world: int, device: torch.device, 
     else:
         output = torch.empty(numel, device=device)
         piece = torch.ones(numel // world, device=device)
-        run = lambda: dist.all_gather_into_tensor(output, piece)  # noqa: E731
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        run = lambda: gather(output, piece)  # noqa: E731
     run()
     times = []
     for _ in range(repeats):

@@ -19,6 +19,8 @@ Constraints
     (2) Σ_b y[e, a, b] = x[u, a]   for every a         edge marginals, producer     (``_edge_rows``)
     (3) Σ_a y[e, a, b] = x[v, b]   for every b         edge marginals, consumer     (``_edge_rows``)
     (4) Σ_d Σ_a mem[d, a] · x[d, a] ≤ memory budget    bytes per device             (``_memory_row``)
+    (5) x[d, a] = 0 for strategies a a named strategy forbids (data_parallel, fully_shard, ...): an upper
+        bound, so one problem serves every restriction                                 (``_Model.solve``)
 
 With x integral, (2)-(3) force y[e, a, b] = x[u, a] · x[v, b], so the objective is exact. Edges whose cost
 matrix is all zero get no y variables. Must never build the problem (search.problem does).
@@ -111,12 +113,18 @@ class _Model:
         self._edge_rows()
         self._memory_row()
 
-    def solve(self, time_limit_s: float) -> Solution:
+    def solve(self, time_limit_s: float, allowed: dict[int, list[int]] | None = None) -> Solution:
         started = time.perf_counter()
         n = len(self.cost)
-        matrix = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lower), n)).tocsr()
-        result = milp(np.array(self.cost), constraints=LinearConstraint(matrix, self.lower, self.upper),
-                      integrality=np.array(self.integral), bounds=Bounds(0.0, 1.0),
+        if not hasattr(self, "_matrix"):
+            self._matrix = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lower), n)).tocsr()
+        upper = np.ones(n)
+        for d, keep in (allowed or {}).items():  # restriction (5): x[d, a] = 0 for strategies not allowed
+            start = self.x_offset[d]
+            upper[start:start + len(self.problem.decisions[d].strategies)] = 0.0
+            upper[[start + a for a in keep]] = 1.0
+        result = milp(np.array(self.cost), constraints=LinearConstraint(self._matrix, self.lower, self.upper),
+                      integrality=np.array(self.integral), bounds=Bounds(0.0, upper),
                       options={"time_limit": time_limit_s, "presolve": True})
         if result.x is None:
             raise AutoparError(_infeasible_message(self.problem, result.message))
@@ -133,14 +141,25 @@ def _infeasible_message(problem: ShardingProblem, message: str) -> str:
             "Raise memory_budget, use a larger mesh, or a smaller batch.")
 
 
-def solve(problem: ShardingProblem, time_limit_s: float = 60.0) -> Solution:
+class Solver:
+    """Builds the model of ``problem`` once; ``solve(allowed)`` may then be called for several restrictions."""
+
+    def __init__(self, problem: ShardingProblem):
+        self.problem = problem
+        self.model = _Model(problem)
+        self.model.build()
+
+    def solve(self, time_limit_s: float = 60.0, allowed: dict[int, list[int]] | None = None) -> Solution:
+        smallest = sum(float(np.min(d.memory if not allowed or i not in allowed else d.memory[allowed[i]]))
+                       for i, d in enumerate(self.problem.decisions))
+        if smallest > self.problem.memory_budget:
+            raise AutoparError(_infeasible_message(self.problem, "the budget is below every plan's memory"))
+        return self.model.solve(time_limit_s, allowed)
+
+
+def solve(problem: ShardingProblem, time_limit_s: float = 60.0, allowed: dict[int, list[int]] | None = None) -> Solution:
     """Optimal strategy per decision (see the module docstring for the formulation)."""
-    smallest = sum(float(np.min(d.memory)) for d in problem.decisions)
-    if smallest > problem.memory_budget:
-        raise AutoparError(_infeasible_message(problem, "the budget is below every plan's memory"))
-    model = _Model(problem)
-    model.build()
-    return model.solve(time_limit_s)
+    return Solver(problem).solve(time_limit_s, allowed)
 
 
 def objective_of(problem: ShardingProblem, choice: list[int]) -> float:

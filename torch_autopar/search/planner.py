@@ -23,7 +23,7 @@ from torch_autopar.cost import CostModel, HardwareProfile
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
-from torch_autopar.search.milp import solve
+from torch_autopar.search.milp import Solver
 from torch_autopar.search.plan import LayerRow, Plan
 from torch_autopar.search.problem import build_problem
 from torch_autopar.search.solution import to_sharding
@@ -104,25 +104,56 @@ class Planner:
         return self._plan("fully_shard", propagate(self.program, self.mesh, seeds), params)
 
     def searched(self, strategy: str) -> Plan:
-        started = time.perf_counter()
+        """The exact search restricted by ``strategy``'s axis roles (its own, smaller problem)."""
         roles = axis_roles(strategy, self.mesh.ndim)
-        space = enumerate_strategies(self.program, self.mesh, leaf_filter(self.program, roles))
+        return self.searched_many([strategy], leaf_filter=leaf_filter(self.program, roles))[strategy]
+
+    def searched_many(self, strategies: list[str], leaf_filter=None) -> dict[str, Plan]:
+        """Exact searches for several named strategies over one problem (restrictions bound leaf choices)."""
+        started = time.perf_counter()
+        space = enumerate_strategies(self.program, self.mesh, leaf_filter)
         generated = time.perf_counter()
         arrival = lambda node: tuple(Shard(0) for _ in range(self.mesh.ndim))  # noqa: E731
         problem = build_problem(self.program, space, self.cost, arrival, self.budget, self.weights)
         built = time.perf_counter()
         _, edge_vars = problem.size()
         if self.solver == "propagate" or self.solver == "auto" and edge_vars > MAX_EXACT_EDGE_VARIABLES:
-            return self._fast_mode(strategy, edge_vars)
-        solution = solve(problem, self.time_limit_s)
-        sharding = to_sharding(self.program, problem, solution.choice, self.mesh, space.replicated_ops, arrival)
-        params = {name: sharding.specs[node].placements for name, node in self.program.param_nodes.items()}
-        plan = self._plan(strategy, sharding, params)
-        plan.search_stats.update({
-            "mode": "exact", "decisions": len(problem.decisions), "variables": solution.num_variables,
-            "strategy_generation_s": generated - started, "problem_build_s": built - generated,
-            "solve_s": solution.seconds, "objective_s": solution.objective, "solver_status": solution.status})
-        return plan
+            return {name: self._fast_mode(name, edge_vars) for name in strategies}
+        solver = Solver(problem)
+        plans = {}
+        for name in strategies:
+            try:
+                solution = solver.solve(self.time_limit_s, self._allowed(problem, name))
+            except AutoparError:
+                continue  # this restriction does not fit the budget; the others may
+            sharding = to_sharding(self.program, problem, solution.choice, self.mesh, space.replicated_ops, arrival)
+            params = {n: sharding.specs[node].placements for n, node in self.program.param_nodes.items()}
+            plan = self._plan(name, sharding, params)
+            plan.search_stats.update({
+                "mode": "exact", "decisions": len(problem.decisions), "variables": solution.num_variables,
+                "strategy_generation_s": generated - started, "problem_build_s": built - generated,
+                "solve_s": solution.seconds, "objective_s": solution.objective, "solver_status": solution.status})
+            plans[name] = plan
+        if not plans:
+            solver.solve(self.time_limit_s)  # raises the infeasibility error with the smallest memory needed
+        return plans
+
+    def _allowed(self, problem, strategy: str) -> dict[int, list[int]]:
+        """Allowed strategy indices of leaf decisions under ``strategy``'s roles (none for "auto")."""
+        if strategy == "auto":
+            return {}
+        keep = leaf_filter(self.program, axis_roles(strategy, self.mesh.ndim))
+        leaves = list(self.program.param_nodes.values()) + list(self.program.buffer_nodes.values())
+        leaves += list(self.program.input_nodes.values())
+        allowed = {}
+        for node in leaves:
+            d = problem.decision_of.get(node)
+            if d is None or problem.decisions[d].node is not node:
+                continue
+            outputs = [s.output for s in problem.decisions[d].strategies]
+            kept = set(map(tuple, keep(node, outputs)))
+            allowed[d] = [a for a, out in enumerate(outputs) if tuple(out) in kept]
+        return allowed
 
     def _fast_mode(self, strategy: str, edge_vars: int) -> Plan:
         candidates = [self.propagated("data_parallel"), self.fully_shard_propagated()]
@@ -181,11 +212,10 @@ class Planner:
         names = ["data_parallel"] if executable else ["data_parallel", "fully_shard", "tensor_parallel", "auto"]
         if not executable and self.mesh.ndim >= 2:
             names.insert(3, "fsdp_tp")
-        plans = []
-        for name in names:
-            plan = self.propagated(name) if name == "data_parallel" else self.searched(name)
+        searched = self.searched_many([n for n in names if n != "data_parallel"]) if len(names) > 1 else {}
+        plans = [self.propagated("data_parallel")] + list(searched.values())
+        for name, plan in zip(["data_parallel"] + list(searched), plans):
             plan.search_stats["candidate"] = name
-            plans.append(plan)
         best = self._within_budget(plans)
         best.notes.append("auto compared " + ", ".join(
             f"{p.search_stats['candidate']} {p.estimated_step_time * 1e3:.3f} ms"
