@@ -1,0 +1,113 @@
+"""``autopar.profile()``: measured figures are positive and finite, in one process and on 2 gloo ranks; the
+alpha-beta fit recovers a known link exactly; the saved JSON loads back with ``get_profile`` and plans."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import torch_autopar as autopar
+from torch_autopar.cost import CostModel, HardwareProfile, Link, get_profile
+from torch_autopar.cost.profile import Sample, fit_alpha_beta, ring_terms
+from torch_autopar.testing import run_on_ranks
+from torch_autopar.testing.models import MLP
+
+SMALL = dict(sizes=(1 << 10, 1 << 14, 1 << 18), matmul_size=128, copy_bytes=4 << 20, repeats=3)
+"""Problem sizes small enough for a busy 2-core machine."""
+
+
+def _positive_finite(profile: HardwareProfile) -> None:
+    figures = [profile.flops["float32"], profile.memory_bandwidth, profile.memory_bytes, profile.op_overhead_s,
+               profile.intra_node.latency_s, profile.intra_node.bandwidth,
+               profile.inter_node.latency_s, profile.inter_node.bandwidth]
+    for value in figures:
+        assert math.isfinite(value) and value > 0, profile
+
+
+# the fit -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_fit_recovers_the_link_the_cost_model_was_given(world):
+    """Times made by CostModel.collective_time from a known link fit back to that link (both kinds mixed)."""
+    link = Link(latency_s=7e-6, bandwidth=12e9)
+    hardware = HardwareProfile(name="known", flops={"float32": 1e12}, memory_bandwidth=1e12, memory_bytes=1 << 30,
+                               devices_per_node=world, intra_node=link, inter_node=link, comm_efficiency=1.0)
+    cost = CostModel(hardware, (world,))
+    samples = [Sample(kind=kind, nbytes=n, world=world, seconds=cost.collective_time(kind, 0, n))
+               for kind in ("all_reduce", "all_gather") for n in (1 << 10, 1 << 16, 1 << 22)]
+    alpha, beta = fit_alpha_beta(samples)
+    assert alpha == pytest.approx(7e-6, rel=1e-9)
+    assert 1 / beta == pytest.approx(12e9, rel=1e-9)
+
+
+def test_ring_terms_are_the_ring_formulas():
+    assert ring_terms("all_reduce", 4) == pytest.approx((6, 1.5))
+    assert ring_terms("all_gather", 4) == pytest.approx((3, 0.75))
+    assert ring_terms("all_reduce", 2) == pytest.approx((2, 1.0))
+
+
+def test_fit_keeps_both_coefficients_positive_on_noisy_data():
+    """Times that fall with size (noise) would fit a negative beta: both figures stay positive and finite."""
+    samples = [Sample(kind="all_reduce", nbytes=n, world=2, seconds=t)
+               for n, t in [(1 << 10, 3e-4), (1 << 16, 2e-4), (1 << 20, 1e-4)]]
+    alpha, beta = fit_alpha_beta(samples)
+    assert 0 < alpha < math.inf and 0 < beta < math.inf
+    assert 1e-4 <= 2 * alpha <= 3e-4  # 2 steps: the latency term lies within the measured times
+    assert beta <= 1e-4 / (1 << 20)  # at most what the largest message allows
+
+
+# one process -------------------------------------------------------------------------------------------------
+def test_profile_in_one_process_measures_compute_and_keeps_default_links(tmp_path):
+    path = tmp_path / "measured.json"
+    profile = autopar.profile(path, **SMALL)
+    _positive_finite(profile)
+    assert profile.name == "measured-gloo-1"
+    base = get_profile("cpu-gloo")
+    assert (profile.intra_node, profile.inter_node) == (base.intra_node, base.inter_node)
+    assert profile.flops["float32"] > 1e8  # any CPU of this century does 0.1 GFLOP/s
+    assert profile.compute_efficiency == 1.0 and profile.comm_efficiency == 1.0
+    assert get_profile(str(path)) == profile
+    assert json.loads(path.read_text())["name"] == "measured-gloo-1"
+
+
+def test_a_saved_profile_plans_by_path_and_by_object(tmp_path):
+    path = tmp_path / "measured.json"
+    profile = autopar.profile(path, **SMALL)
+    x = torch.empty(16, 32, device="meta")
+    with torch.device("meta"):
+        model = MLP()
+    by_path = autopar.plan(model, x, mesh_shape=(2,), hardware=str(path), strategy="data_parallel")
+    by_object = autopar.plan(model, x, mesh_shape=(2,), hardware=profile, strategy="data_parallel")
+    assert by_path.hardware == by_object.hardware == "measured-gloo-1"
+    assert by_path.estimated_step_time == by_object.estimated_step_time > 0
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({"sizes": (4096,)}, r"at least two positive message sizes"),
+    ({"sizes": (4096, 0)}, r"at least two positive message sizes"),
+    ({"repeats": 0}, r"at least 1 timed repetition"),
+])
+def test_profile_checks_its_arguments(kwargs, pattern):
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: profile\(.*" + pattern):
+        autopar.profile(**kwargs)
+
+
+# two gloo ranks ----------------------------------------------------------------------------------------------
+def _profile_on_rank(rank, world, path):
+    return autopar.profile(path, **SMALL)
+
+
+def test_profile_on_two_gloo_ranks(tmp_path):
+    path = str(tmp_path / "measured2.json")
+    profiles = run_on_ranks(_profile_on_rank, 2, path, timeout_s=120)
+    assert profiles[0] == profiles[1], "ranks must agree on one profile"
+    profile = profiles[0]
+    _positive_finite(profile)
+    assert profile.name == "measured-gloo-2"
+    assert profile.devices_per_node == 2
+    assert profile.intra_node != get_profile("cpu-gloo").intra_node  # measured, not the default
+    assert profile.inter_node == get_profile("cpu-gloo").inter_node
+    assert profile.intra_node.latency_s < 1.0 and profile.intra_node.bandwidth > 1e6  # loopback: < 1 s, > 1 MB/s
+    assert get_profile(path) == profile
