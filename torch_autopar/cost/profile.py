@@ -35,7 +35,6 @@ DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 """Collective message sizes in bytes (full buffer per rank)."""
 
 
-
 def ring_terms(kind: str, world: int) -> tuple[float, float]:
     """(steps, volume) of ``kind`` on ``world`` ranks as ``CostModel`` prices it: t = steps·alpha + volume·n·beta
     (read off a unit link, so the fit follows the cost model's formulas)."""
@@ -134,8 +133,13 @@ def measure_op_overhead(device: torch.device, repeats: int, ops: int = 200) -> f
     return _best_time(run, device, repeats) / ops
 
 
+def _numel(nbytes: int, world: int) -> int:
+    """fp32 elements of a buffer of about ``nbytes`` that splits evenly over ``world`` ranks."""
+    return max(world, nbytes // 4 // world * world)
+
+
 def _timed_collective(kind: str, nbytes: int, world: int, device: torch.device, repeats: int) -> float:
-    numel = max(world, nbytes // 4 // world * world)
+    numel = _numel(nbytes, world)
     if kind == "all_reduce":
         buffer = torch.ones(numel, device=device)
         run = lambda: dist.all_reduce(buffer)  # noqa: E731
@@ -163,9 +167,8 @@ def measure_collectives(device: torch.device, sizes, repeats: int) -> list[Sampl
     for kind in ("all_reduce", "all_gather"):
         for nbytes in sizes:
             seconds = _timed_collective(kind, nbytes, world, device, repeats)
-            numel = max(world, nbytes // 4 // world * world)
-            samples.append(Sample(kind=kind, nbytes=numel * 4, world=world, seconds=seconds))
-    slowest = _agree(torch.tensor([s.seconds for s in samples], dtype=torch.float64), dist.ReduceOp.MAX, device)
+            samples.append(Sample(kind=kind, nbytes=_numel(nbytes, world) * 4, world=world, seconds=seconds))
+    slowest = _agree(torch.tensor([s.seconds for s in samples], dtype=torch.float32), dist.ReduceOp.MAX, device)
     return [dataclasses.replace(s, seconds=float(t)) for s, t in zip(samples, slowest)]
 
 
@@ -221,24 +224,18 @@ def profile(path=None, *, sizes=DEFAULT_SIZES, base=None, matmul_size: int | Non
     if repeats < 1:
         raise AutoparError(f"profile(repeats={repeats}): expected at least 1 timed repetition.")
     device = _device()
-    accelerated = device.type != "cpu"
     base_profile = _base_profile(base, device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    measured = torch.tensor([
-        measure_matmul_flops(device, matmul_size or (8192 if accelerated else 1024), repeats),
-        measure_memory_bandwidth(device, copy_bytes or ((1 << 30) if accelerated else (64 << 20)), repeats),
-    ], dtype=torch.float64)
-    flops, bandwidth = (float(v) for v in _agree(measured, dist.ReduceOp.MIN, device))
-    overhead = float(_agree(torch.tensor([measure_op_overhead(device, repeats)], dtype=torch.float64),
-                            dist.ReduceOp.MAX, device)[0])
+    flops, bandwidth, overhead = _measure_device(device, matmul_size, copy_bytes, repeats)
     intra, inter = base_profile.intra_node, base_profile.inter_node
     source = "measured (compute only: one process, links from the base profile)"
     if world > 1:
         alpha, beta = fit_alpha_beta(measure_collectives(device, sizes, repeats))
         link = Link(latency_s=alpha, bandwidth=1.0 / beta)
-        intra, inter = (link, inter) if world <= local_world else (intra, link)
-        source = f"measured (compute and {'intra' if world <= local_world else 'inter'}-node collectives)"
+        one_node = world <= local_world
+        intra, inter = (link, inter) if one_node else (intra, link)
+        source = f"measured (compute and {'intra' if one_node else 'inter'}-node collectives)"
     backend = dist.get_backend() if dist.is_initialized() else detect_backend()
     result = HardwareProfile(
         name=f"measured-{backend}-{world}", flops={"float32": flops}, memory_bandwidth=bandwidth,
@@ -249,6 +246,18 @@ def profile(path=None, *, sizes=DEFAULT_SIZES, base=None, matmul_size: int | Non
     if path is not None:
         _save(result, path)
     return result
+
+
+def _measure_device(device: torch.device, matmul_size, copy_bytes, repeats: int) -> tuple[float, float, float]:
+    """(FLOP/s, memory bytes/s, seconds per op) of the slowest rank."""
+    accelerated = device.type != "cpu"
+    rates = torch.tensor([
+        measure_matmul_flops(device, matmul_size or (8192 if accelerated else 1024), repeats),
+        measure_memory_bandwidth(device, copy_bytes or ((1 << 30) if accelerated else (64 << 20)), repeats),
+    ], dtype=torch.float32)
+    flops, bandwidth = (float(v) for v in _agree(rates, dist.ReduceOp.MIN, device))
+    overhead = torch.tensor([measure_op_overhead(device, repeats)], dtype=torch.float32)
+    return flops, bandwidth, float(_agree(overhead, dist.ReduceOp.MAX, device)[0])
 
 
 def _save(result: HardwareProfile, path) -> None:

@@ -6,23 +6,24 @@ Decisions d = 1..D (node groups, see search.problem), each with strategies a = 1
 
 Variables
     x[d, a] ∈ {0, 1}       decision d takes strategy a                                   (``_add_choice_vars``)
-    y[e, a, b] ∈ [0, 1]    on edge e = (u → v): u takes a and v takes b                  (``_add_edge_vars``)
+    y[e, p, q] ∈ [0, 1]    on edge e = (u → v): u's output is in layout p and v needs layout q
+                           (layouts, not strategies: many strategies share a layout)     (``_add_edge_vars``)
 
 Objective (seconds per step)
-    minimise  Σ_d Σ_a cost[d, a] · x[d, a]  +  Σ_e Σ_a Σ_b C_e[a, b] · y[e, a, b]
+    minimise  Σ_d Σ_a cost[d, a] · x[d, a]  +  Σ_e Σ_p Σ_q C_e[p, q] · y[e, p, q]
     cost: compute of each strategy (times the members tied to d) and, for user inputs, resharding from the
     layout they arrive in; C_e: resharding between producer output and consumer requirement, gradient sync,
     tangent layout, summed over all edges tied to e.
 
 Constraints
     (1) Σ_a x[d, a] = 1                               one strategy per decision     (``_one_strategy_rows``)
-    (2) Σ_b y[e, a, b] = x[u, a]   for every a         edge marginals, producer     (``_edge_rows``)
-    (3) Σ_a y[e, a, b] = x[v, b]   for every b         edge marginals, consumer     (``_edge_rows``)
+    (2) Σ_q y[e, p, q] = Σ_{a: rows_e[a] = p} x[u, a]   for every p   producer marginals (``_edge_rows``)
+    (3) Σ_p y[e, p, q] = Σ_{b: cols_e[b] = q} x[v, b]   for every q   consumer marginals (``_edge_rows``)
     (4) Σ_d Σ_a mem[d, a] · x[d, a] ≤ memory budget    bytes per device             (``_memory_row``)
     (5) x[d, a] = 0 for strategies a a named strategy forbids (data_parallel, fully_shard, ...): an upper
         bound, so one problem serves every restriction                                 (``_Model.solve``)
 
-With x integral, (2)-(3) force y[e, a, b] = x[u, a] · x[v, b], so the objective is exact. Edges whose cost
+With x integral, (2)-(3) force y[e, p, q] = [u's layout is p] · [v needs q], so the objective is exact. Edges whose cost
 matrix is all zero get no y variables. Must never build the problem (search.problem does).
 """
 
@@ -87,17 +88,19 @@ class _Model:
 
     def _add_edge_vars(self) -> None:
         self.y_offset = {}
-        for key, matrix in self.problem.edges.items():
-            self.y_offset[key] = self._new_vars(matrix.reshape(-1), integral=False)
+        for key, edge in self.problem.edges.items():
+            self.y_offset[key] = self._new_vars(edge.cost.reshape(-1), integral=False)
 
     def _edge_rows(self) -> None:
-        for (u, v), matrix in self.problem.edges.items():
-            ku, kv = matrix.shape
-            start = self.y_offset[(u, v)]
-            for a in range(ku):
-                self._row([(start + a * kv + b, 1.0) for b in range(kv)] + [(self.x_offset[u] + a, -1.0)], 0.0, 0.0)
-            for b in range(kv):
-                self._row([(start + a * kv + b, 1.0) for a in range(ku)] + [(self.x_offset[v] + b, -1.0)], 0.0, 0.0)
+        for key, edge in self.problem.edges.items():
+            kp, kq = edge.cost.shape
+            start = self.y_offset[key]
+            for p in range(kp):
+                choices = [(self.x_offset[edge.producer] + a, -1.0) for a in np.flatnonzero(edge.rows == p)]
+                self._row([(start + p * kq + q, 1.0) for q in range(kq)] + choices, 0.0, 0.0)
+            for q in range(kq):
+                choices = [(self.x_offset[edge.consumer] + b, -1.0) for b in np.flatnonzero(edge.cols == q)]
+                self._row([(start + p * kq + q, 1.0) for p in range(kp)] + choices, 0.0, 0.0)
 
     def _memory_row(self) -> None:
         if np.isinf(self.problem.memory_budget):
@@ -165,5 +168,5 @@ def solve(problem: ShardingProblem, time_limit_s: float = 60.0, allowed: dict[in
 def objective_of(problem: ShardingProblem, choice: list[int]) -> float:
     """The objective value of a given choice (used to check the solver and to price fixed plans)."""
     total = sum(float(d.cost[a]) for d, a in zip(problem.decisions, choice))
-    total += sum(float(matrix[choice[u], choice[v]]) for (u, v), matrix in problem.edges.items())
+    total += sum(float(e.cost[e.rows[choice[e.producer]], e.cols[choice[e.consumer]]]) for e in problem.edges.values())
     return total

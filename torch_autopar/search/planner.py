@@ -106,19 +106,21 @@ class Planner:
     def searched(self, strategy: str) -> Plan:
         """The exact search restricted by ``strategy``'s axis roles (its own, smaller problem)."""
         roles = axis_roles(strategy, self.mesh.ndim)
-        return self.searched_many([strategy], leaf_filter=leaf_filter(self.program, roles))[strategy]
+        return self.searched_many([strategy], restriction=leaf_filter(self.program, roles))[strategy]
 
-    def searched_many(self, strategies: list[str], leaf_filter=None) -> dict[str, Plan]:
+    def searched_many(self, strategies: list[str], restriction=None) -> dict[str, Plan]:
         """Exact searches for several named strategies over one problem (restrictions bound leaf choices)."""
         started = time.perf_counter()
-        space = enumerate_strategies(self.program, self.mesh, leaf_filter)
+        space = enumerate_strategies(self.program, self.mesh, restriction)
         generated = time.perf_counter()
         arrival = lambda node: tuple(Shard(0) for _ in range(self.mesh.ndim))  # noqa: E731
         problem = build_problem(self.program, space, self.cost, arrival, self.budget, self.weights)
         built = time.perf_counter()
         _, edge_vars = problem.size()
-        if self.solver == "propagate" or self.solver == "auto" and edge_vars > MAX_EXACT_EDGE_VARIABLES:
+        if self.solver == "propagate":
             return {name: self._fast_mode(name, edge_vars) for name in strategies}
+        if self.solver == "auto" and edge_vars > MAX_EXACT_EDGE_VARIABLES:
+            return self._too_large(strategies, edge_vars, restriction)
         solver = Solver(problem)
         plans = {}
         for name in strategies:
@@ -154,6 +156,20 @@ class Planner:
             kept = set(map(tuple, keep(node, outputs)))
             allowed[d] = [a for a, out in enumerate(outputs) if tuple(out) in kept]
         return allowed
+
+    def _too_large(self, strategies: list[str], edge_vars: int, leaf_filter) -> dict[str, Plan]:
+        """The shared problem is too large: solve each named restriction on its own, smaller problem (exactly
+        when it fits), leave the unrestricted search out, propagate as a last resort."""
+        if restriction is not None or len(strategies) == 1 and strategies[0] == "auto":
+            return {name: self._fast_mode(name, edge_vars) for name in strategies}
+        plans = {}
+        for name in strategies:
+            if name != "auto":
+                plans.update(self.searched_many([name], leaf_filter(self.program, axis_roles(name, self.mesh.ndim))))
+        for plan in plans.values():
+            plan.notes.append(f"the unrestricted problem has {edge_vars:,} edge variables (limit "
+                              f"{MAX_EXACT_EDGE_VARIABLES:,}): searched each named strategy on its own problem")
+        return plans
 
     def _fast_mode(self, strategy: str, edge_vars: int) -> Plan:
         candidates = [self.propagated("data_parallel"), self.fully_shard_propagated()]

@@ -35,10 +35,27 @@ class Decision:
 
 
 @dataclass(kw_only=True)
+class Edge:
+    """Resharding cost between two decisions, on layouts rather than strategies: strategy ``a`` of the producer
+    gives layout ``rows[a]``, strategy ``b`` of the consumer needs layout ``cols[b]``, and moving layout ``p``
+    to ``q`` costs ``cost[p, q]`` seconds (summed over every tied edge with the same layouts)."""
+
+    producer: int
+    consumer: int
+    rows: np.ndarray
+    cols: np.ndarray
+    cost: np.ndarray
+
+    def matrix(self) -> np.ndarray:
+        """The cost per (producer strategy, consumer strategy) pair."""
+        return self.cost[np.ix_(self.rows, self.cols)]
+
+
+@dataclass(kw_only=True)
 class ShardingProblem:
     decisions: list[Decision]
-    edges: dict[tuple[int, int], np.ndarray]
-    """(producer decision, consumer decision) → cost matrix [producer strategy, consumer strategy] in seconds."""
+    edges: dict[tuple, Edge]
+    """Keyed by (producer decision, consumer decision, layout maps)."""
     decision_of: dict[fx.Node, int]
     output_of: dict[fx.Node, object] = field(default_factory=dict)
     """For nodes that are not representatives: a function strategy index → output placements."""
@@ -61,7 +78,8 @@ class ShardingProblem:
         return self.decisions[self.decision_of[node]].strategies[choice].output
 
     def size(self) -> tuple[int, int]:
-        return (sum(len(d.strategies) for d in self.decisions), sum(m.size for m in self.edges.values()))
+        """(choice variables, edge variables)."""
+        return (sum(len(d.strategies) for d in self.decisions), sum(e.cost.size for e in self.edges.values()))
 
 
 class ReshardTable:
@@ -259,13 +277,20 @@ class _Builder:
         key = (id(out_ids), id(wanted_ids), nbytes)
         if key not in self.matrix_cache:
             self.table.ensure(max(out_ids.max(initial=0), wanted_ids.max(initial=0)))
-            self.matrix_cache[key] = self.table.matrix(out_ids, wanted_ids, nbytes)
-        matrix = self.matrix_cache[key] * self.weights.get(consumer, 1)
+            layouts_out, rows = np.unique(out_ids, return_inverse=True)
+            layouts_in, cols = np.unique(wanted_ids, return_inverse=True)
+            self.matrix_cache[key] = (rows, cols, self.table.matrix(layouts_out, layouts_in, nbytes))
+        rows, cols, cost = self.matrix_cache[key]
+        cost = cost * self.weights.get(consumer, 1)
         if du == dv:
-            self.problem.decisions[du].cost += np.diag(matrix)
-        elif matrix.any():
-            edge = (du, dv)
-            self.problem.edges[edge] = self.problem.edges[edge] + matrix if edge in self.problem.edges else matrix
+            self.problem.decisions[du].cost += cost[rows, cols]
+        elif cost.any():
+            edge_key = (du, dv, id(rows), id(cols))
+            edge = self.problem.edges.get(edge_key)
+            if edge is None:
+                self.problem.edges[edge_key] = Edge(producer=du, consumer=dv, rows=rows, cols=cols, cost=cost)
+            else:
+                edge.cost = edge.cost + cost
 
     def _input_edges(self, node: fx.Node) -> None:
         strategies = self.space.candidates[node]

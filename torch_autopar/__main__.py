@@ -1,0 +1,3 @@
+from torch_autopar.cli import main
+
+raise SystemExit(main())
