@@ -157,7 +157,7 @@ class Planner:
             allowed[d] = [a for a, out in enumerate(outputs) if tuple(out) in kept]
         return allowed
 
-    def _too_large(self, strategies: list[str], edge_vars: int, leaf_filter) -> dict[str, Plan]:
+    def _too_large(self, strategies: list[str], edge_vars: int, restriction) -> dict[str, Plan]:
         """The shared problem is too large: solve each named restriction on its own, smaller problem (exactly
         when it fits), leave the unrestricted search out, propagate as a last resort."""
         if restriction is not None or len(strategies) == 1 and strategies[0] == "auto":
