@@ -89,3 +89,75 @@ class GPT(nn.Module):
 
 def gpt_loss(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+@dataclass
+class LlamaConfig:
+    n_layer: int = 2
+    dim: int = 64
+    n_head: int = 4
+    n_kv_head: int = 2
+    ffn_dim: int = 172
+    vocab_size: int = 256
+
+
+LLAMA3_8B = LlamaConfig(n_layer=32, dim=4096, n_head=32, n_kv_head=8, ffn_dim=14336, vocab_size=128256)
+LLAMA3_70B = LlamaConfig(n_layer=80, dim=8192, n_head=64, n_kv_head=8, ffn_dim=28672, vocab_size=128256)
+GPT2_SMALL = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+GPT2_MEDIUM = GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024)
+GPT2_XL = GPTConfig(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.dim // c.n_head
+        self.attn_norm = RMSNorm(c.dim)
+        self.wq = nn.Linear(c.dim, c.dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(c.dim, c.dim, bias=False)
+        self.ffn_norm = RMSNorm(c.dim)
+        self.w1 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.w3 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.w2 = nn.Linear(c.ffn_dim, c.dim, bias=False)
+
+    def forward(self, x):
+        batch, seq, dim = x.shape
+        h = self.attn_norm(x)
+        q = self.wq(h).view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)
+        repeat = self.n_head // self.n_kv_head
+        k = self.wk(h).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2).repeat_interleave(repeat, dim=1)
+        v = self.wv(h).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2).repeat_interleave(repeat, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seq, dim)
+        x = x + self.wo(attn)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    """LLaMA-3 style decoder: RMSNorm, grouped-query attention, SwiGLU, untied output head."""
+
+    def __init__(self, config: LlamaConfig | None = None):
+        super().__init__()
+        c = self.config = config or LlamaConfig()
+        self.tok = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(LlamaBlock(c) for _ in range(c.n_layer))
+        self.norm = RMSNorm(c.dim)
+        self.out = nn.Linear(c.dim, c.vocab_size, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.norm(x))
