@@ -52,7 +52,7 @@ def _plan(model, tokens, mesh, strategy, hardware="h100", budget=None):
             "comm_gib": plan.comm_bytes() / 2**30, "seconds": time.perf_counter() - started,
             "capture_s": stats.get("capture_s"), "strategy_generation_s": stats.get("strategy_generation_s"),
             "solve_s": stats.get("solve_s"), "mode": stats.get("mode", "propagation"),
-            "candidate": stats.get("candidate"), "params": dict(list(plan.param_placements.items())[:0])}
+            "candidate": stats.get("candidate")}
 
 
 def quality(models, meshes, batch_per_device: int = 1) -> list[dict]:
