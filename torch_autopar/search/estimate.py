@@ -29,6 +29,8 @@ class Estimate:
     collectives: list[PlannedCollective] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
     exposed_comm: float = 0.0
+    node_seconds: dict = field(default_factory=dict)
+    """Compute seconds of one instance of each node."""
 
     def weight(self, node: fx.Node) -> int:
         return self.weights.get(node, 1)
@@ -64,7 +66,8 @@ def add_compute(estimate: Estimate, program: CapturedProgram, sharding: Sharding
     for node in program.graph.graph.nodes:
         if node.op != "call_function" or is_free(node):
             continue
-        seconds = _node_compute(node, sharding, cost) * estimate.weight(node)
+        estimate.node_seconds[node] = _node_compute(node, sharding, cost)
+        seconds = estimate.node_seconds[node] * estimate.weight(node)
         if program.is_backward(node):
             estimate.backward_compute += seconds
         else:

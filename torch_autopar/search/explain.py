@@ -17,10 +17,11 @@ def _seconds(s: float) -> str:
 
 def _layer_table(plan) -> list[str]:
     width = max([len(row.name) for row in plan.layers] + [5])
-    lines = [f"{'layer':<{width}}  {'params':>12}  {'placement':<14}  {'grad sync':>11}  {'memory':>11}"]
+    lines = [f"{'layer':<{width}}  {'params':>12}  {'placement':<14}  {'compute':>11}  {'comm':>11}  "
+             f"{'grad sync':>11}  {'memory':>11}"]
     for row in plan.layers:
-        lines.append(f"{row.name:<{width}}  {row.num_params:>12,}  {row.placements:<14}  "
-                     f"{_bytes(row.grad_sync_bytes):>11}  {_bytes(row.memory_bytes):>11}")
+        lines.append(f"{row.name:<{width}}  {row.num_params:>12,}  {row.placements:<14}  {_seconds(row.compute_s):>11}  "
+                     f"{_seconds(row.comm_s):>11}  {_bytes(row.grad_sync_bytes):>11}  {_bytes(row.memory_bytes):>11}")
     return lines
 
 

@@ -35,10 +35,15 @@ class PlannedCollective:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerRow:
     name: str
+    """The module owning the parameters (one row per module with parameters)."""
     num_params: int
     placements: str
     grad_sync_bytes: int
     memory_bytes: int
+    compute_s: float = 0.0
+    """Forward + backward compute of the nodes attributed to this module (those using its parameters first)."""
+    comm_s: float = 0.0
+    """Collectives of those nodes plus this module's share of gradient synchronisation."""
 
 
 @dataclass(kw_only=True)

@@ -57,20 +57,70 @@ def _fingerprint(infos: dict) -> str:
     return CapturedProgram.fingerprint(type("Params", (), {"params": infos})())
 
 
-def _layer_rows(infos: dict, placements: dict, buckets, cost: CostModel, estimate) -> list[LayerRow]:
+def _owner(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else "(root)"
+
+
+def _node_rows(program: CapturedProgram) -> dict:
+    """Attribute each node to the module of the first parameter it uses (directly or through views of the
+    parameter such as a transpose), else to the module of its first attributed input."""
+    owned = {node: _owner(name) for name, node in program.param_nodes.items()}  # parameters and their views
+    rows = dict(owned)
+    for node in program.graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(a in owned for a in inputs):
+            owned[node] = owned[inputs[0]]
+        used = [owned[a] for a in inputs if a in owned]
+        inherited = [rows[a] for a in inputs if a in rows]
+        if used or inherited:
+            rows[node] = (used or inherited)[0]
+    return rows
+
+
+def _per_row_time(program: CapturedProgram, estimate, buckets, infos, fold) -> tuple[dict, dict]:
+    """Compute and communication seconds per captured module row (one instance of the module)."""
+    rows = _node_rows(program)
+    by_name = {node.name: node for node in program.graph.graph.nodes}
+    compute: dict[str, float] = {}
+    comm: dict[str, float] = {}
+    for node, seconds in estimate.node_seconds.items():
+        row = rows.get(node, "(other)")
+        compute[row] = compute.get(row, 0.0) + seconds
+    bucket_bytes = [sum(infos[n].nbytes for n in bucket) for bucket in buckets]
+    for c in estimate.collectives:
+        if c.phase == "grad_sync":
+            bucket = buckets[int(c.where.removeprefix("bucket"))]
+            for name in bucket:
+                row = _owner(fold.captured_name(name))
+                share = c.seconds * infos[name].nbytes / bucket_bytes[int(c.where.removeprefix("bucket"))]
+                comm[row] = comm.get(row, 0.0) + share / max(len(fold.real_names(fold.captured_name(name))), 1)
+        else:
+            row = rows.get(by_name.get(c.where), "(other)")
+            comm[row] = comm.get(row, 0.0) + c.seconds
+    return compute, comm
+
+
+def _layer_rows(program: CapturedProgram, infos: dict, placements: dict, buckets, cost: CostModel, estimate,
+                fold) -> list[LayerRow]:
     synced = {c.where for c in estimate.collectives if c.phase == "grad_sync"}
     in_synced_bucket = {name for index, bucket in enumerate(buckets) if f"bucket{index}" in synced for name in bucket}
+    compute, comm = _per_row_time(program, estimate, buckets, infos, fold)
     rows: dict[str, dict] = {}
     for name, info in infos.items():
-        layer = name.rsplit(".", 1)[0] if "." in name else "(root)"
-        row = rows.setdefault(layer, {"numel": 0, "placements": set(), "sync": 0, "memory": 0})
+        layer = _owner(name)
+        captured = _owner(fold.captured_name(name))
+        row = rows.setdefault(layer, {"numel": 0, "placements": set(), "sync": 0, "memory": 0,
+                                      "compute": compute.get(captured, 0.0), "comm": comm.get(captured, 0.0)})
         local = info.nbytes // cost.shard_factor(placements[name])
         row["numel"] += info.numel
         row["placements"].add(",".join(format_placements(placements[name])))
         row["sync"] += info.nbytes if name in in_synced_bucket else 0
         row["memory"] += local * (2 + est.ADAM_STATE_PER_PARAM)
     return [LayerRow(name=layer, num_params=r["numel"], placements="/".join(sorted(r["placements"])),
-                     grad_sync_bytes=r["sync"], memory_bytes=r["memory"]) for layer, r in rows.items()]
+                     grad_sync_bytes=r["sync"], memory_bytes=r["memory"], compute_s=r["compute"], comm_s=r["comm"])
+            for layer, r in rows.items()]
 
 
 class Planner:
@@ -207,7 +257,7 @@ class Planner:
             hardware=self.cost.hardware.name, fingerprint=_fingerprint(infos), global_batch=self.global_batch,
             param_placements={k: format_placements(v) for k, v in placements.items()},
             input_placements=inputs, grad_buckets=buckets, collectives=estimate.collectives,
-            layers=_layer_rows(infos, placements, buckets, self.cost, estimate),
+            layers=_layer_rows(program, infos, placements, buckets, self.cost, estimate, fold),
             replicated_ops=dict(sharding.replicated_ops), compute_time=estimate.compute,
             exposed_comm_time=estimate.exposed_comm, estimated_step_time=estimate.step_time,
             peak_memory=estimate.peak_memory, memory_breakdown=estimate.memory,
