@@ -108,3 +108,21 @@ class Straight(Branchy):
 
     def forward(self, x):
         return self.b(torch.relu(self.a(x)))
+
+
+class BatchNormNet(nn.Module):
+    """A model with buffers (batch-norm running statistics, one of them an integer counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def batch_norm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(GLOBAL_BATCH, 6, generator=generator) * (step + 1), torch.randn(GLOBAL_BATCH, 2, generator=generator)

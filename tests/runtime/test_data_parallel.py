@@ -18,6 +18,7 @@ MODELS = ("mlp", "gpt")
 OPTIMIZERS = ("sgd", "adamw")
 MODES = ("eager", "graph")
 CASES = [(m, o, mode) for m in MODELS for o in OPTIMIZERS for mode in MODES]
+BUFFER_STEPS = 3
 GPT_BUCKET_CAP = 64 * 1024
 """Small enough that the GPT's gradients are synchronised in several buckets (the MLP's fit in one)."""
 
@@ -42,7 +43,8 @@ def _train_model(rank, world, model_name):
                     losses = support.train_steps(pmodel, model_name, optimizer, rank, world)
             results[(model_name, optimizer_name, mode)] = {
                 "losses": losses, "params": support.params_of(model), "strategy": pmodel.plan.strategy,
-                "buckets": len(pmodel.plan.grad_buckets), "stats": dict(pmodel.stats)}
+                "buckets": len(pmodel.plan.grad_buckets), "stats": dict(pmodel.stats),
+                "global_batch": pmodel.plan.global_batch}
     autopar.set_mode("eager")
     return results
 
@@ -57,6 +59,23 @@ def _full_batch_case(rank, world, mode):
     return {"output": output.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
+def _buffers_case(rank, world, mode):
+    """Batch norm: buffers are broadcast from rank 0 before each forward (as DDP does), then updated locally."""
+    torch.manual_seed(0)
+    model = support.BatchNormNet()
+    pmodel = autopar.compile(model, strategy="data_parallel", mode=mode)
+    optimizer = torch.optim.SGD(pmodel.parameters(), lr=0.1)
+    buffers = []
+    for step in range(BUFFER_STEPS):
+        x, y = support.batch_norm_batch(step)
+        loss = support.loss_fn("mlp", pmodel(x.chunk(world)[rank]), y.chunk(world)[rank])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        buffers.append({name: b.clone() for name, b in model.named_buffers()})
+    return {"buffers": buffers, "params": support.params_of(model)}
+
+
 def _default_strategy_case(rank, world):
     """``compile(model)`` with the default strategy ("auto"): one backward's gradients and the plan's strategy."""
     model = support.build_model("mlp")
@@ -66,18 +85,30 @@ def _default_strategy_case(rank, world):
     return {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "strategy": pmodel.plan.strategy}
 
 
-def _data_parallel_job(rank, world):
+def _data_parallel_job(rank, world, extras):
     launched = {"init": autopar.init(), "rank": autopar.get_rank(), "world": autopar.get_world_size()}
-    cases = {key: value for name in MODELS for key, value in _train_model(rank, world, name).items()}
-    full_batch = {mode: _full_batch_case(rank, world, mode) for mode in MODES}
-    return {"launched": launched, "cases": cases, "full_batch": full_batch,
-            "default_strategy": _default_strategy_case(rank, world)}
+    result = {"launched": launched,
+              "cases": {key: value for name in MODELS for key, value in _train_model(rank, world, name).items()}}
+    if extras:  # checked on 2 ranks only, to keep the 4-rank job short
+        result["full_batch"] = {mode: _full_batch_case(rank, world, mode) for mode in MODES}
+        result["default_strategy"] = _default_strategy_case(rank, world)
+        result["buffers"] = {mode: _buffers_case(rank, world, mode) for mode in MODES}
+    return result
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
+@pytest.fixture(scope="module")
+def job2():
+    return 2, run_on_ranks(_data_parallel_job, 2, True, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def job4():
+    return 4, run_on_ranks(_data_parallel_job, 4, False, timeout_s=400)
+
+
+@pytest.fixture(params=[2, 4], ids=lambda w: f"{w}ranks")
 def job(request):
-    world = request.param
-    return world, run_on_ranks(_data_parallel_job, world, timeout_s=400)
+    return request.getfixturevalue(f"job{request.param}")
 
 
 _references: dict = {}
@@ -104,6 +135,7 @@ def test_matches_one_process_run(job, case):
     for rank, result in enumerate(results):
         support.assert_params_close(result["cases"][case]["params"], ref_params, what=f"{case} rank {rank}/{world}")
         assert result["cases"][case]["strategy"] == "data_parallel"
+        assert result["cases"][case]["global_batch"] == support.GLOBAL_BATCH  # planned for the global batch
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] == "graph"], ids="-".join)
@@ -128,8 +160,8 @@ def test_eager_and_graph_losses_agree(job, model_optimizer):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_full_batch_returns_whole_output_and_global_gradients(job, mode):
-    world, results = job
+def test_full_batch_returns_whole_output_and_global_gradients(job2, mode):
+    world, results = job2
     model = support.build_model("mlp")
     x, y = support.global_batch("mlp", 0)
     output = model(x)
@@ -146,8 +178,8 @@ def test_full_batch_returns_whole_output_and_global_gradients(job, mode):
     "library bug: with the default strategy='auto' the planner (search/planner.py Planner._auto) returns a plan "
     "whose strategy is 'auto', and ParallelModule._set_up only synchronises gradients when plan.strategy == "
     "'data_parallel', so compile(model) on several ranks silently leaves each rank with its local gradient"))
-def test_default_strategy_averages_gradients_over_ranks(job):
-    world, results = job
+def test_default_strategy_averages_gradients_over_ranks(job2):
+    world, results = job2
     model = support.build_model("mlp")
     x, y = support.global_batch("mlp", 0)
     support.loss_fn("mlp", model(x), y).backward()
@@ -156,3 +188,47 @@ def test_default_strategy_averages_gradients_over_ranks(job):
         for name, p in model.named_parameters():
             torch.testing.assert_close(entry["grads"][name], p.grad, rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"rank {rank}/{world} grad of {name} ({entry['strategy']}): {m}")
+
+
+def _simulate_ddp_with_buffers(world):
+    """DDP by hand in one process: replicas with equal parameters; before each forward every replica takes
+    rank 0's buffers; each computes its slice (batch norm with its local batch statistics); gradients averaged."""
+    replicas = []
+    for _ in range(world):
+        torch.manual_seed(0)
+        replicas.append(support.BatchNormNet())
+    optimizers = [torch.optim.SGD(r.parameters(), lr=0.1) for r in replicas]
+    history = []
+    for step in range(BUFFER_STEPS):
+        x, y = support.batch_norm_batch(step)
+        with torch.no_grad():
+            for replica in replicas[1:]:
+                for mine, first in zip(replica.buffers(), replicas[0].buffers()):
+                    mine.copy_(first)
+        for rank, replica in enumerate(replicas):
+            replica.zero_grad()
+            support.loss_fn("mlp", replica(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        for params in zip(*(r.parameters() for r in replicas)):
+            mean = sum(p.grad for p in params) / world
+            for p in params:
+                p.grad = mean.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+        history.append([{name: b.clone() for name, b in r.named_buffers()} for r in replicas])
+    return history, support.params_of(replicas[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_buffers_broadcast_from_rank_0_before_each_forward(job2, mode):
+    world, results = job2
+    history, params = _simulate_ddp_with_buffers(world)
+    for rank, result in enumerate(results):
+        entry = result["buffers"][mode]
+        support.assert_params_close(entry["params"], params, what=f"{mode} rank {rank}")
+        for step in range(BUFFER_STEPS):
+            for name, expected in history[step][rank].items():
+                torch.testing.assert_close(entry["buffers"][step][name], expected, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{mode} rank {rank} step {step} {name}: {m}")
+    # the ranks' statistics really differ after a step (each uses its own slice), so the check above has teeth
+    assert not torch.allclose(results[0]["buffers"][mode]["buffers"][0]["bn.running_mean"],
+                              results[1]["buffers"][mode]["buffers"][0]["bn.running_mean"])

@@ -1,0 +1,295 @@
+"""The MILP's optimum checked against costs worked out by hand from the CostModel formulas, and against brute
+force over every choice of small problems.
+
+Set-up that keeps the hand computation exact: a 2-layer MLP (x @ W1^T + b1 → relu → @ W2^T + b2) on a mesh of
+2 devices, a hardware profile with no per-op overhead and unlimited memory bandwidth (so every op costs
+flops / (peak · efficiency): only the five matmuls count, the element-wise ops have no FLOPs), and one link
+with known alpha and bandwidth. With a large batch and small weights the optimum is data parallelism:
+
+    compute = matmul FLOPs / 2 / (peak · efficiency)      (every matmul has a batch-sharded operand)
+    all_reduce(n)            = 2(p-1)·alpha + 2(p-1)/p · n · beta      p = 2, beta = 1 / (bandwidth · comm_eff)
+    all_gather(n) = reduce_scatter(n) = (p-1)·alpha + (p-1)/p · n · beta
+    data parallel = compute + Σ_params all_reduce(n)
+    fully sharded = compute + Σ_params [all_gather(n) per consumer + reduce_scatter(n)]
+                    (W2 is used twice: by the forward matmul and by the backward one computing dL/dh)
+
+On a ring, all_gather + reduce_scatter = all_reduce: sharding a parameter used once costs exactly what
+replicating it does (a tie the memory budget breaks), sharding W2 costs one more all_gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+import torch_autopar as autopar
+from torch_autopar.capture import capture
+from torch_autopar.cost import CostModel, HardwareProfile, Link
+from torch_autopar.launch import offline_mesh
+from torch_autopar.search import milp
+from torch_autopar.search.problem import build_problem
+from torch_autopar.strategies.enumerate import enumerate_strategies
+from torch_autopar.strategies.roles import axis_roles, leaf_filter
+from torch_autopar.testing.models import MLP
+
+PEAK, EFFICIENCY = 3e12, 0.4
+ALPHA, BANDWIDTH, COMM_EFFICIENCY = 1e-5, 1e9, 0.8
+BETA = 1.0 / (BANDWIDTH * COMM_EFFICIENCY)
+HARDWARE = HardwareProfile(
+    name="by-hand", flops={"float32": PEAK}, memory_bandwidth=float("inf"), memory_bytes=1 << 50, devices_per_node=8,
+    intra_node=Link(ALPHA, BANDWIDTH), inter_node=Link(1.0, 1.0), compute_efficiency=EFFICIENCY,
+    comm_efficiency=COMM_EFFICIENCY, op_overhead_s=0.0)
+"""The inter-node link is absurd on purpose: a 2-device mesh must never use it."""
+
+D_IN, D_HID, D_OUT, BATCH = 64, 128, 32, 4096
+W1, B1, W2, B2 = 4 * D_IN * D_HID, 4 * D_HID, 4 * D_HID * D_OUT, 4 * D_OUT
+"""Parameter bytes (fp32)."""
+NAMES = {"layers.0.weight": W1, "layers.0.bias": B1, "layers.1.weight": W2, "layers.1.bias": B2}
+
+MATMUL_FLOPS = (2 * BATCH * D_IN * D_HID + 2 * BATCH * D_HID * D_OUT  # forward
+                + 2 * BATCH * D_OUT * D_HID  # dL/dh = dL/dy @ W2
+                + 2 * BATCH * D_OUT * D_HID  # dL/dW2 = dL/dy^T @ h
+                + 2 * BATCH * D_HID * D_IN)  # dL/dW1 = dL/dh^T @ x   (no gradient for the input x)
+COMPUTE = MATMUL_FLOPS / 2 / (PEAK * EFFICIENCY)
+
+
+def all_reduce(n):
+    return 2 * (2 - 1) * ALPHA + 2 * (2 - 1) / 2 * n * BETA
+
+
+def all_gather(n):
+    return (2 - 1) * ALPHA + (2 - 1) / 2 * n * BETA
+
+
+reduce_scatter = all_gather
+DATA_PARALLEL = COMPUTE + sum(all_reduce(n) for n in (W1, B1, W2, B2))
+FULLY_SHARDED = (COMPUTE + sum(all_gather(n) + reduce_scatter(n) for n in (W1, B1, B2))
+                 + 2 * all_gather(W2) + reduce_scatter(W2))
+
+SAVED = 4 * BATCH * (D_HID + D_OUT)
+"""Activations counted as kept for backward (fp32, batch-sharded in every plan below): relu's output, and the
+model's output (the graph's output node, which returns the gradients too, counts as a backward user)."""
+DP_MEMORY = 4 * (W1 + B1 + W2 + B2) + SAVED // 2
+"""Problem memory: 4 copies of each parameter (itself, gradient, Adam's two moments) over its shard factor."""
+MIN_MEMORY = 4 * (W1 + B1 + W2 + B2) // 2 + SAVED // 2
+
+
+def _mlp():
+    with torch.device("meta"):
+        return MLP((D_IN, D_HID, D_OUT))
+
+
+def _x(batch=BATCH):
+    return torch.empty(batch, D_IN, device="meta")
+
+
+@pytest.fixture(scope="module")
+def program():
+    return capture(_mlp(), (_x(),), {})
+
+
+def _problem(program, mesh, roles=("free",), budget=float("inf")):
+    space = enumerate_strategies(program, mesh, leaf_filter(program, roles))
+    cost = CostModel(HARDWARE, tuple(mesh.shape))
+    return build_problem(program, space, cost, lambda node: tuple(Shard(0) for _ in mesh.shape), budget)
+
+
+def _param_output(program, problem, choice, name):
+    node = program.param_nodes[name]
+    return tuple(problem.node_output(node, choice[problem.decision_of[node]]))
+
+
+def _forward_outputs(program, problem, choice, ops=("addmm", "relu")):
+    result = {}
+    for node in program.graph.graph.nodes:
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if node.op == "call_function" and name in ops and not program.is_backward(node):
+            result[node.name] = tuple(problem.node_output(node, choice[problem.decision_of[node]]))
+    return result
+
+
+def _memory(problem, choice) -> float:
+    return sum(float(d.memory[a]) for d, a in zip(problem.decisions, choice))
+
+
+# the unrestricted optimum --------------------------------------------------------------------------------------
+def test_hand_costs_are_not_degenerate():
+    """The set-up really separates the plans: DP beats full sharding by exactly W2's second all_gather."""
+    assert FULLY_SHARDED - DATA_PARALLEL == pytest.approx(all_gather(W2), rel=1e-12)
+    assert COMPUTE > 0.3 * DATA_PARALLEL and DATA_PARALLEL - COMPUTE > 0.3 * DATA_PARALLEL
+
+
+def test_optimum_is_data_parallel_cost_worked_out_by_hand(program):
+    with offline_mesh((2,)) as mesh:
+        problem = _problem(program, mesh)
+        solution = milp.solve(problem)
+    assert solution.objective == pytest.approx(DATA_PARALLEL, rel=1e-6)
+    assert milp.objective_of(problem, solution.choice) == pytest.approx(solution.objective, rel=1e-9)
+    assert set(_forward_outputs(program, problem, solution.choice).values()) == {(Shard(0),)}
+    assert _param_output(program, problem, solution.choice, "layers.1.weight") == (Replicate(),)
+    for name in ("layers.0.weight", "layers.0.bias", "layers.1.bias"):  # a tie: replicated or sharded, same cost
+        assert _param_output(program, problem, solution.choice, name) in {(Replicate(),), (Shard(0),), (Shard(1),)}
+
+
+def test_objective_of_prices_the_data_parallel_choice_by_hand(program):
+    """objective_of on a choice built by hand (every leaf replicated but the batch, matmuls batch-sharded)."""
+    with offline_mesh((2,)) as mesh:
+        problem = _problem(program, mesh, roles=("dp",))
+        solution = milp.solve(problem)
+    assert milp.objective_of(problem, solution.choice) == pytest.approx(DATA_PARALLEL, rel=1e-6)
+    assert _memory(problem, solution.choice) == DP_MEMORY
+    assert set(_forward_outputs(program, problem, solution.choice).values()) == {(Shard(0),)}
+
+
+def test_small_batch_prefers_replicated_compute_over_gradient_sync(program):
+    """Counter-check of the set-up: with 8 samples, gathering the input once (all_gather, 8·64·4 bytes) and
+    computing everything replicated beats four gradient all-reduces, and the objective says by how much."""
+    small = capture(_mlp(), (_x(8),), {})
+    with offline_mesh((2,)) as mesh:
+        problem = _problem(small, mesh)
+        solution = milp.solve(problem)
+    flops = MATMUL_FLOPS * 8 / BATCH
+    replicated = all_gather(8 * D_IN * 4) + flops / (PEAK * EFFICIENCY)
+    assert solution.objective == pytest.approx(replicated, rel=1e-6)
+    assert set(_forward_outputs(small, problem, solution.choice).values()) == {(Replicate(),)}
+
+
+# the memory budget ---------------------------------------------------------------------------------------------
+def test_budget_just_below_data_parallel_shards_for_free(program):
+    with offline_mesh((2,)) as mesh:
+        problem = _problem(program, mesh, budget=DP_MEMORY - 1)
+        solution = milp.solve(problem)
+    assert solution.objective == pytest.approx(DATA_PARALLEL, rel=1e-6)
+    assert _memory(problem, solution.choice) <= DP_MEMORY - 1
+    sharded = {n for n in NAMES if _param_output(program, problem, solution.choice, n) != (Replicate(),)}
+    assert sharded and "layers.1.weight" not in sharded
+
+
+def test_budget_that_only_fits_with_w2_sharded_costs_one_more_all_gather(program):
+    all_but_w2 = DP_MEMORY - 2 * (W1 + B1 + B2)
+    with offline_mesh((2,)) as mesh:
+        fits = milp.solve(_problem(program, mesh, budget=all_but_w2))
+        problem = _problem(program, mesh, budget=all_but_w2 - 1)
+        tighter = milp.solve(problem)
+    assert fits.objective == pytest.approx(DATA_PARALLEL, rel=1e-6)
+    assert tighter.objective == pytest.approx(DATA_PARALLEL + all_gather(W2), rel=1e-6)
+    assert tighter.objective == pytest.approx(FULLY_SHARDED, rel=1e-6)
+    assert _param_output(program, problem, tighter.choice, "layers.1.weight") != (Replicate(),)
+    assert _memory(problem, tighter.choice) == MIN_MEMORY
+
+
+def test_budget_below_every_plan_states_the_smallest_memory(program):
+    with offline_mesh((2,)) as mesh:
+        problem = _problem(program, mesh, budget=MIN_MEMORY - 1)
+        with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: no sharding fits the memory budget") as info:
+            milp.solve(problem)
+    assert f"the smallest per-device memory any plan needs is about {MIN_MEMORY:,} bytes" in str(info.value)
+
+
+# through autopar.plan ------------------------------------------------------------------------------------------
+def test_fully_shard_plan_objective_and_collectives_by_hand():
+    plan = autopar.plan(_mlp(), _x(), mesh_shape=(2,), hardware=HARDWARE, strategy="fully_shard")
+    assert plan.search_stats["mode"] == "exact"
+    assert plan.search_stats["objective_s"] == pytest.approx(FULLY_SHARDED, rel=1e-6)
+    assert plan.param_placements == {name: ("S(0)",) for name in NAMES}
+    assert plan.input_placements == {0: ("S(0)",)}
+    gathers = sorted(c.nbytes for c in plan.collectives if (c.kind, c.phase) == ("all_gather", "forward"))
+    assert gathers == sorted([W1, B1, W2, B2])
+    assert [c.nbytes for c in plan.collectives if c.phase == "backward"] == [W2]
+    grad_sync = [c for c in plan.collectives if c.phase == "grad_sync"]
+    assert [(c.kind, c.nbytes) for c in grad_sync] == [("reduce_scatter", W1 + B1 + W2 + B2)]  # one bucket
+    for c in plan.collectives:
+        assert c.axis == "dp" and c.seconds == pytest.approx(all_gather(c.nbytes), rel=1e-9)
+    assert plan.compute_time == pytest.approx(COMPUTE, rel=1e-6)
+
+
+# brute force ---------------------------------------------------------------------------------------------------
+def _brute_force(problem, budget=float("inf")) -> tuple[float, list[int]]:
+    sizes = [len(d.strategies) for d in problem.decisions]
+    best, best_choice = float("inf"), None
+    for choice in itertools.product(*map(range, sizes)):
+        if _memory(problem, choice) <= budget:
+            value = milp.objective_of(problem, list(choice))
+            if value < best:
+                best, best_choice = value, list(choice)
+    return best, best_choice
+
+
+@pytest.fixture(scope="module")
+def linear_program():
+    """A small batch: the optimum replicates the weights, so a memory budget can push it elsewhere."""
+    with torch.device("meta"):
+        return capture(nn.Linear(64, 32), (torch.empty(8, 64),), {})
+
+
+SLOW = dataclasses.replace(HARDWARE, name="by-hand-slow", flops={"float32": PEAK / 1000},
+                           intra_node=Link(ALPHA * 1000, BANDWIDTH / 1000))
+"""HARDWARE with every time 1000 times longer: same optimum, objective x1000."""
+
+MILP_ABSOLUTE_GAP_BUG = (
+    "library bug: search/milp.py passes costs in seconds to HiGHS, whose default absolute MIP gap is 1e-6, so any "
+    "solution within 1 us of the optimum is reported 'Optimal'. One Linear(64, 32), batch 8, 2 devices: milp.solve "
+    "returns 1.13346e-05 s (all replicated) while the choice [1, 1, 0, 2, 3, 2] costs 1.13073e-05 s by objective_of "
+    "and by milp.solve with x fixed to it; scaling every cost by 1e6 (microseconds) finds it. Fix: scale the "
+    "objective (e.g. to microseconds) or pass mip_rel_gap=0 and scale")
+
+
+def _linear_problem(program, hardware, budget=float("inf")):
+    with offline_mesh((2,)) as mesh:
+        space = enumerate_strategies(program, mesh)
+        return build_problem(program, space, CostModel(hardware, (2,)), lambda node: (Shard(0),), budget)
+
+
+@pytest.mark.xfail(strict=True, reason=MILP_ABSOLUTE_GAP_BUG)
+def test_milp_equals_brute_force_on_one_linear_layer(linear_program):
+    problem = _linear_problem(linear_program, HARDWARE)
+    sizes = [len(d.strategies) for d in problem.decisions]
+    assert 100 < np.prod(sizes) < 20_000, sizes  # small enough to enumerate, large enough to mean something
+    best, _ = _brute_force(problem)
+    assert milp.solve(problem).objective == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.xfail(strict=True, reason=MILP_ABSOLUTE_GAP_BUG)
+def test_the_optimum_does_not_depend_on_the_unit_of_time(linear_program):
+    fast = milp.solve(_linear_problem(linear_program, HARDWARE))
+    slow = milp.solve(_linear_problem(linear_program, SLOW))
+    assert fast.objective * 1000 == pytest.approx(slow.objective, rel=1e-9)
+
+
+def test_milp_equals_brute_force_on_one_linear_layer_in_milliseconds(linear_program):
+    problem = _linear_problem(linear_program, SLOW)
+    sizes = [len(d.strategies) for d in problem.decisions]
+    assert 100 < np.prod(sizes) < 20_000, sizes
+    best, _ = _brute_force(problem)
+    solution = milp.solve(problem)
+    assert solution.objective == pytest.approx(best, rel=1e-9)
+    assert milp.objective_of(problem, solution.choice) == pytest.approx(best, rel=1e-9)
+
+
+def test_milp_equals_brute_force_under_a_memory_budget(linear_program):
+    unconstrained_problem = _linear_problem(linear_program, SLOW)
+    unconstrained = milp.solve(unconstrained_problem)
+    budget = _memory(unconstrained_problem, unconstrained.choice) - 1  # the unconstrained optimum no longer fits
+    problem = _linear_problem(linear_program, SLOW, budget)
+    best, _ = _brute_force(problem, budget)
+    assert best > unconstrained.objective * (1 + 1e-6)  # the budget binds
+    solution = milp.solve(problem)
+    assert solution.objective == pytest.approx(best, rel=1e-9)
+    assert _memory(problem, solution.choice) <= budget
+
+
+def test_milp_equals_brute_force_on_the_fully_sharded_mlp(program):
+    """Every choice of the fully-sharded MLP problem (parameters pinned to S(0), about 2e5 choices)."""
+    with offline_mesh((2,)) as mesh:
+        problem = _problem(program, mesh, roles=axis_roles("fully_shard", 1))
+    best, choice = _brute_force(problem)
+    assert best == pytest.approx(FULLY_SHARDED, rel=1e-6)
+    assert milp.solve(problem).objective == pytest.approx(best, rel=1e-9)
+    assert _memory(problem, choice) == MIN_MEMORY
+
