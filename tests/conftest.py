@@ -1,6 +1,6 @@
-"""Shared fixtures: every test starts and ends without a process group, with the default mode and a clean
-dynamo cache, so tests cannot leak state into each other (a leaked process group would also make
-``autopar.plan`` plan inside it)."""
+"""Shared fixtures: every test starts and ends without a process group, with the default mode, no
+$AUTOPAR_MODE and a clean dynamo cache, so tests cannot leak state into each other (a leaked process group
+would also make ``autopar.plan`` plan inside it)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ import torch
 import torch.distributed as dist
 
 from torch_autopar.runtime import modes
+
+
+@pytest.fixture(autouse=True, scope="session")
+def clean_environment():
+    """No $AUTOPAR_MODE and no torchrun variables, also for the ranks module-scoped fixtures spawn."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("AUTOPAR_MODE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            patch.delenv(name, raising=False)
+        yield
 
 
 @pytest.fixture(autouse=True)
