@@ -181,7 +181,7 @@ def test_budget_that_only_fits_with_w2_sharded_costs_one_more_all_gather(program
     assert tighter.objective == pytest.approx(DATA_PARALLEL + all_gather(W2), rel=1e-6)
     assert tighter.objective == pytest.approx(FULLY_SHARDED, rel=1e-6)
     assert _param_output(program, problem, tighter.choice, "layers.1.weight") != (Replicate(),)
-    assert _memory(problem, tighter.choice) == MIN_MEMORY
+    assert MIN_MEMORY <= _memory(problem, tighter.choice) <= all_but_w2 - 1
 
 
 def test_budget_below_every_plan_states_the_smallest_memory(program):
@@ -272,20 +272,29 @@ def test_milp_equals_brute_force_on_one_linear_layer_in_milliseconds(linear_prog
     assert milp.objective_of(problem, solution.choice) == pytest.approx(best, rel=1e-9)
 
 
-def test_milp_equals_brute_force_under_a_memory_budget(linear_program):
-    unconstrained_problem = _linear_problem(linear_program, SLOW)
+@pytest.fixture(scope="module")
+def narrow_program():
+    """One output feature: the output cannot be split by feature, the bias cannot be split at all, so the
+    cheapest plan (gather the input once, compute replicated) keeps more than the least memory."""
+    with torch.device("meta"):
+        return capture(nn.Linear(64, 1), (torch.empty(8, 64),), {})
+
+
+def test_milp_equals_brute_force_under_a_memory_budget(narrow_program):
+    unconstrained_problem = _linear_problem(narrow_program, SLOW)
     unconstrained = milp.solve(unconstrained_problem)
     budget = _memory(unconstrained_problem, unconstrained.choice) - 1  # the unconstrained optimum no longer fits
-    problem = _linear_problem(linear_program, SLOW, budget)
+    problem = _linear_problem(narrow_program, SLOW, budget)
     best, _ = _brute_force(problem, budget)
-    assert best > unconstrained.objective * (1 + 1e-6)  # the budget binds
+    assert best > unconstrained.objective * 1.1  # the budget binds
     solution = milp.solve(problem)
     assert solution.objective == pytest.approx(best, rel=1e-9)
     assert _memory(problem, solution.choice) <= budget
 
 
+@pytest.mark.slow
 def test_milp_equals_brute_force_on_the_fully_sharded_mlp(program):
-    """Every choice of the fully-sharded MLP problem (parameters pinned to S(0), about 2e5 choices)."""
+    """Every choice of the fully-sharded MLP problem (parameters pinned to S(0), about 2e5 choices: ~10 s)."""
     with offline_mesh((2,)) as mesh:
         problem = _problem(program, mesh, roles=axis_roles("fully_shard", 1))
     best, choice = _brute_force(problem)
