@@ -232,12 +232,8 @@ SLOW = dataclasses.replace(HARDWARE, name="by-hand-slow", flops={"float32": PEAK
                            intra_node=Link(ALPHA * 1000, BANDWIDTH / 1000))
 """HARDWARE with every time 1000 times longer: same optimum, objective x1000."""
 
-MILP_ABSOLUTE_GAP_BUG = (
-    "library bug: search/milp.py passes costs in seconds to HiGHS, whose default absolute MIP gap is 1e-6, so any "
-    "solution within 1 us of the optimum is reported 'Optimal'. One Linear(64, 32), batch 8, 2 devices: milp.solve "
-    "returns 1.13346e-05 s (all replicated) while the choice [1, 1, 0, 2, 3, 2] costs 1.13073e-05 s by objective_of "
-    "and by milp.solve with x fixed to it; scaling every cost by 1e6 (microseconds) finds it. Fix: scale the "
-    "objective (e.g. to microseconds) or pass mip_rel_gap=0 and scale")
+# Regression: costs were passed to HiGHS in seconds, so its absolute MIP gap (1e-6) accepted a plan 0.24% worse
+# than optimal for this layer (1.13346e-05 s instead of 1.13073e-05 s); the solver now works in microseconds.
 
 
 def _linear_problem(program, hardware, budget=float("inf")):
@@ -246,7 +242,6 @@ def _linear_problem(program, hardware, budget=float("inf")):
         return build_problem(program, space, CostModel(hardware, (2,)), lambda node: (Shard(0),), budget)
 
 
-@pytest.mark.xfail(strict=True, reason=MILP_ABSOLUTE_GAP_BUG)
 def test_milp_equals_brute_force_on_one_linear_layer(linear_program):
     problem = _linear_problem(linear_program, HARDWARE)
     sizes = [len(d.strategies) for d in problem.decisions]
@@ -255,7 +250,6 @@ def test_milp_equals_brute_force_on_one_linear_layer(linear_program):
     assert milp.solve(problem).objective == pytest.approx(best, rel=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason=MILP_ABSOLUTE_GAP_BUG)
 def test_the_optimum_does_not_depend_on_the_unit_of_time(linear_program):
     fast = milp.solve(_linear_problem(linear_program, HARDWARE))
     slow = milp.solve(_linear_problem(linear_program, SLOW))
