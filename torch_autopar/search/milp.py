@@ -50,6 +50,9 @@ class Solution:
     status: str
 
 
+MICROSECONDS = 1e6
+
+
 class _Model:
     def __init__(self, problem: ShardingProblem):
         self.problem = problem
@@ -126,14 +129,16 @@ class _Model:
             start = self.x_offset[d]
             upper[start:start + len(self.problem.decisions[d].strategies)] = 0.0
             upper[[start + a for a in keep]] = 1.0
-        result = milp(np.array(self.cost), constraints=LinearConstraint(self._matrix, self.lower, self.upper),
+        # NOTE [objective in microseconds]: HiGHS accepts a MIP solution within an absolute gap of 1e-6; in
+        # seconds that is a sizeable fraction of a small model's step time, so the solver works in microseconds.
+        result = milp(np.array(self.cost) * MICROSECONDS, constraints=LinearConstraint(self._matrix, self.lower, self.upper),
                       integrality=np.array(self.integral), bounds=Bounds(0.0, upper),
-                      options={"time_limit": time_limit_s, "presolve": True})
+                      options={"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": 1e-6})
         if result.x is None:
             raise AutoparError(_infeasible_message(self.problem, result.message))
         choice = [int(np.argmax(result.x[s:s + len(d.strategies)]))
                   for s, d in zip(self.x_offset, self.problem.decisions)]
-        return Solution(choice=choice, objective=float(result.fun), seconds=time.perf_counter() - started,
+        return Solution(choice=choice, objective=float(result.fun) / MICROSECONDS, seconds=time.perf_counter() - started,
                         num_variables=n, status=str(result.message))
 
 
