@@ -83,7 +83,8 @@ def assert_losses_close(actual: list[float], expected: list[float], rel: float =
 def assert_params_close(actual: dict, expected: dict, what: str = "") -> None:
     assert actual.keys() == expected.keys(), what
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{what} {name}: {m}")
 
 
 class Branchy(nn.Module):
@@ -125,4 +126,5 @@ class BatchNormNet(nn.Module):
 
 def batch_norm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(2000 + step)
-    return torch.randn(GLOBAL_BATCH, 6, generator=generator) * (step + 1), torch.randn(GLOBAL_BATCH, 2, generator=generator)
+    x = torch.randn(GLOBAL_BATCH, 6, generator=generator) * (step + 1)
+    return x, torch.randn(GLOBAL_BATCH, 2, generator=generator)

@@ -69,10 +69,14 @@ def test_shard_factor():
 
 def test_collectives_for_transitions():
     mesh = (4, 8)
-    kinds = lambda source, target: [(c.kind, c.axis, c.nbytes) for c in collectives_for(source, target, 1024, mesh)]  # noqa: E731
+
+    def kinds(source, target):
+        return [(c.kind, c.axis, c.nbytes) for c in collectives_for(source, target, 1024, mesh)]
+
     assert kinds((Replicate(), Replicate()), (Replicate(), Replicate())) == []
     assert kinds((Partial(), Replicate()), (Replicate(), Replicate())) == [("all_reduce", 0, 1024)]
-    assert kinds((Partial(), Partial()), (Replicate(), Replicate())) == [("all_reduce", 0, 1024), ("all_reduce", 1, 1024)]
+    assert kinds((Partial(), Partial()), (Replicate(), Replicate())) == [("all_reduce", 0, 1024),
+                                                                         ("all_reduce", 1, 1024)]
     assert kinds((Replicate(), Partial()), (Replicate(), Shard(0))) == [("reduce_scatter", 1, 1024)]
     assert kinds((Shard(0), Replicate()), (Replicate(), Replicate())) == [("all_gather", 0, 1024)]
     assert kinds((Replicate(), Replicate()), (Shard(0), Replicate())) == []  # a local slice: no communication

@@ -81,7 +81,8 @@ def _free_port() -> int:
 
 def test_joins_the_job_torchrun_describes(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     try:
@@ -107,7 +108,8 @@ def test_torchrun_two_ranks(tmp_path):
         print(f"rank {rank}/{world} backend {dist.get_backend()} sum {value.item()}")
         dist.destroy_process_group()
     """))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(_free_port())]
     result = subprocess.run([*torchrun, str(script)], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))

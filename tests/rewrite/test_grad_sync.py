@@ -27,7 +27,8 @@ def _backward_like(a, b, c):
 
 def _inputs():
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(3, 2, generator=generator), torch.randn(4, 4, generator=generator), torch.randn(5, generator=generator)
+    return (torch.randn(3, 2, generator=generator), torch.randn(4, 4, generator=generator),
+            torch.randn(5, generator=generator))
 
 
 def _graph() -> fx.GraphModule:

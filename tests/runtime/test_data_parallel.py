@@ -2,10 +2,15 @@
 SGD and AdamW, MLP and GPT, eager and graph mode (ARCHITECTURE.md: gradients equal DDP's, i.e. the average
 over ranks of each slice's gradient, which for equal slices and a mean loss is the global batch's gradient).
 
-One spawned job per world size runs every case; the tests below check its results case by case.
+One spawned job per world size runs every case; the tests below check its results case by case. To keep the job
+short, each model is planned and graph-compiled once: its cases run one after another on the same compiled
+module, reset with ``load_state_dict``, the mode switched by ``autopar.mode(...)`` (MLP) or ``autopar.set_mode``
+(GPT). ``compile(..., mode=...)`` is what the full-batch and batch-norm cases (2 ranks) use.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -111,14 +116,9 @@ def job(request):
     return request.getfixturevalue(f"job{request.param}")
 
 
-_references: dict = {}
-
-
+@functools.cache
 def reference(model_name, optimizer_name):
-    key = (model_name, optimizer_name)
-    if key not in _references:
-        _references[key] = support.reference_run(model_name, optimizer_name)
-    return _references[key]
+    return support.reference_run(model_name, optimizer_name)
 
 
 def test_init_inside_a_job_reports_rank_and_world(job):

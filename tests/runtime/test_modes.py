@@ -46,7 +46,8 @@ def test_environment_variable_is_the_default(monkeypatch):
 
 @pytest.mark.parametrize("bad", ["fast", "EAGER", "", None])
 def test_invalid_names_raise(bad):
-    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: set_mode\(\) expected a mode in \('eager', 'graph'\)"):
+    with pytest.raises(autopar.AutoparError,
+                       match=r"^torch_autopar: set_mode\(\) expected a mode in \('eager', 'graph'\)"):
         autopar.set_mode(bad)
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: mode\(\) expected a mode in"):
         with autopar.mode(bad):

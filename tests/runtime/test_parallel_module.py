@@ -92,7 +92,8 @@ def test_bare_decorator_returns_a_working_parallel_module():
     torch.manual_seed(0)
     net = DecoratedNet(6, out=2)
     assert isinstance(net, autopar.ParallelModule)
-    assert DecoratedNet.__name__ == "DecoratedNet" and DecoratedNet.__doc__ == "A user model compiled by the bare decorator."
+    assert DecoratedNet.__name__ == "DecoratedNet"
+    assert DecoratedNet.__doc__ == "A user model compiled by the bare decorator."
     torch.manual_seed(0)
     plain = nn.Linear(6, 2)
     x = _x(width=6)
