@@ -1,0 +1,100 @@
+"""What "auto" chooses for wide MLPs on 4 devices (meta tensors: nothing is allocated), and the memory budget:
+
+  large batch, small weights, expensive network → data parallelism (gradients are small, activations large);
+  small batch, huge weights                     → parameters sharded (moving activations is cheaper than
+                                                  replicating or synchronising the weights);
+  a budget below what data parallelism needs    → a sharded plan within the budget;
+  a budget below every plan                     → AutoparError stating the smallest memory, which then fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import torch_autopar as autopar
+from torch_autopar.cost import Link, get_profile
+from torch_autopar.testing.models import MLP
+
+EXPENSIVE_NETWORK = dataclasses.replace(get_profile("h100"), name="h100-slow-network",
+                                        intra_node=Link(2e-5, 10e9), inter_node=Link(2e-5, 10e9))
+"""H100 compute, but 10 GB/s and 20 us per hop between devices."""
+MESH = (4,)
+SMALL_WEIGHTS = ((256, 1024, 1024, 256), 65536, EXPENSIVE_NETWORK)
+"""(dims, batch, hardware): 2.6 M parameters, 64 Ki samples."""
+HUGE_WEIGHTS = ((8192, 8192, 8192, 8192), 8, "h100")
+"""201 M parameters (0.8 GB fp32), 8 samples."""
+
+
+def _plan(case, **kwargs):
+    dims, batch, hardware = case
+    with torch.device("meta"):
+        model = MLP(dims)
+    return autopar.plan(model, torch.empty(batch, dims[0], device="meta"), mesh_shape=MESH, hardware=hardware,
+                        **kwargs)
+
+
+def _sharded(plan) -> set[str]:
+    return {name for name, placements in plan.param_placements.items() if placements != ("R",)}
+
+
+@pytest.fixture(scope="module")
+def small_weights_plans():
+    return {"auto": _plan(SMALL_WEIGHTS), "data_parallel": _plan(SMALL_WEIGHTS, strategy="data_parallel")}
+
+
+def test_large_batch_small_weights_expensive_network_is_data_parallel(small_weights_plans):
+    plan = small_weights_plans["auto"]
+    assert plan.strategy == "auto" and not _sharded(plan), plan.param_placements
+    assert plan.input_placements == {0: ("S(0)",)}
+    assert {(c.kind, c.phase) for c in plan.collectives} == {("all_reduce", "grad_sync")}
+    assert plan.estimated_step_time == pytest.approx(small_weights_plans["data_parallel"].estimated_step_time,
+                                                     rel=1e-9)
+    assert plan.notes[-1].endswith("chose data_parallel"), plan.notes
+
+
+def test_small_batch_huge_weights_shards_parameters():
+    plan = _plan(HUGE_WEIGHTS)
+    dp = _plan(HUGE_WEIGHTS, strategy="data_parallel")
+    assert _sharded(plan) == set(plan.param_placements), plan.param_placements  # every weight and bias
+    assert plan.estimated_step_time < dp.estimated_step_time / 5  # 0.8 GB of gradients to all-reduce vs 256 KiB
+    assert plan.peak_memory < dp.peak_memory / 3
+    assert not any(c.phase == "grad_sync" and c.kind == "all_reduce" for c in plan.collectives)
+
+
+def test_budget_below_data_parallel_forces_a_sharded_plan_that_fits(small_weights_plans):
+    budget = small_weights_plans["data_parallel"].peak_memory - 1
+    plan = _plan(SMALL_WEIGHTS, memory_budget=budget)
+    assert plan.peak_memory <= budget
+    assert _sharded(plan)
+    assert "data_parallel" in plan.notes[-1] and "(over budget)" in plan.notes[-1]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug: a memory budget can only remove plans, yet auto under a budget returns a plan estimated faster "
+    "than auto without one (~4.9 ms vs 5.25 ms here). The budget steers the MILP to a plan mixing replicated and "
+    "sharded parameters in one gradient bucket, which search/estimate.add_grad_sync prices with the first "
+    "parameter's collective only (see test_plan_collectives::test_gradient_sync_follows_each_parameters_placement)"))
+def test_a_budget_never_makes_auto_faster(small_weights_plans):
+    budget = int(small_weights_plans["data_parallel"].peak_memory * 0.982)
+    constrained = _plan(SMALL_WEIGHTS, memory_budget=budget)
+    assert constrained.estimated_step_time >= small_weights_plans["auto"].estimated_step_time * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("case", [SMALL_WEIGHTS, HUGE_WEIGHTS], ids=["small-weights", "huge-weights"])
+def test_infeasible_budget_states_the_smallest_memory_and_that_memory_fits(case):
+    budget = 1 << 20
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: no .*fits the memory budget of 1,048,576 bytes") \
+            as info:
+        _plan(case, memory_budget=budget)
+    message = str(info.value)
+    assert "Raise memory_budget" in message
+    smallest = int(re.search(r"(\d[\d,]*) bytes(?!.*\d[\d,]* bytes)", message).group(1).replace(",", ""))
+    assert smallest > budget
+    plan = _plan(case, memory_budget=smallest)  # the figure the error states is enough
+    assert plan.peak_memory <= smallest
+    with pytest.raises(autopar.AutoparError):
+        _plan(case, memory_budget=smallest - 1)
