@@ -87,9 +87,9 @@ net.zero_grad()
 # `if h.mean() > 0.5:` needs the value of a tensor to choose the Python path. Eager mode just runs it; graph
 # mode cannot capture it as one graph and says so with a `torch_autopar:` error that names the fix.
 #
-# Planning also traces `forward` (on fake tensors, to see every op), so in this version a forward with such a
-# branch cannot be planned itself: `autopar.compile(Gated())` fails while planning. A plan only depends on the
-# parameters (names, shapes, dtypes), so plan the branch-free twin (`torch.where`) and hand that plan over.
+# Planning traces `forward` too (on fake tensors, to see every op). Where it cannot plan a forward with such a
+# branch (some versions of torch_autopar), a plan made for the branch-free twin (`torch.where`) serves: a plan
+# only depends on the parameters' names, shapes and dtypes.
 
 
 # %%
@@ -108,16 +108,17 @@ class GatedWhere(Classifier):
         return self.head(h)
 
 
+torch.manual_seed(0)
 try:
-    autopar.compile(Gated(), example_inputs=(x,))
-    say("planning the branchy forward: ok")
-except Exception as error:       # noqa: BLE001 - shown, not handled
-    say(f"planning the branchy forward: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
-
-torch.manual_seed(0)
-twin_plan = autopar.compile(GatedWhere(), example_inputs=(x,)).plan
-torch.manual_seed(0)
-gated = autopar.compile(Gated(), strategy=twin_plan)
+    gated = autopar.compile(Gated(), example_inputs=(x,))
+    say("planned the branchy forward directly")
+except Exception as error:       # noqa: BLE001 - shown, then worked around
+    say(f"planning the branchy forward failed ({type(error).__name__}: {str(error).splitlines()[0][:120]}); "
+        "using the plan of its torch.where twin")
+    torch.manual_seed(0)
+    twin_plan = autopar.compile(GatedWhere(), example_inputs=(x,)).plan
+    torch.manual_seed(0)
+    gated = autopar.compile(Gated(), strategy=twin_plan)
 with autopar.mode("eager"):
     say(f"eager: loss {loss_fn(gated(x), y).item():.6f}")
 with autopar.mode("graph"):
