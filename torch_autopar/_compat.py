@@ -129,8 +129,9 @@ def register_dynamo_backend(name: str, fn: Callable) -> None:
 def dynamo_unsupported_errors() -> tuple[type, ...]:
     """Exception types dynamo raises when it cannot capture a forward as one graph."""
     from torch._dynamo import exc
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-    return (exc.Unsupported, exc.UserError, exc.TorchRuntimeError)
+    return (exc.TorchDynamoException, exc.UserError, DataDependentOutputException, DynamicOutputShapeException)
 
 
 DynamoUnsupported = dynamo_unsupported_errors

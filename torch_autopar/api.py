@@ -20,6 +20,7 @@ from torch_autopar.errors import AutoparError
 from torch_autopar.runtime import ParallelModule
 from torch_autopar.runtime.modes import MODES
 from torch_autopar.search import Plan, build_plan, check_strategy
+from torch_autopar.search.planner import plan_from_parameters
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES
 
 
@@ -91,6 +92,17 @@ class _Planner:
             self.strategy.check_compatible(module_fingerprint(module), world)
             return self.strategy
         factor = 1 if self.full_batch else world
+        try:
+            return self._plan_with_graph(module, args, kwargs, world, factor)
+        except AutoparError as error:
+            if self.strategy not in ("auto", "data_parallel", "stand_alone") or "could not capture" not in str(error):
+                raise
+            params = {name: TensorInfo.of(p) for name, p in module.named_parameters()}
+            names = launch.default_axis_names(1)
+            return plan_from_parameters(params, world, names, strategy=self.strategy, reason=str(error),
+                                        bucket_cap_bytes=self.bucket_cap_bytes)
+
+    def _plan_with_graph(self, module, args, kwargs, world, factor) -> Plan:
         if not launch.is_initialized():
             with launch.offline_mesh((1,) if self.mesh is None else self.mesh) as mesh:
                 return self._plan(module, args, kwargs, mesh, factor)

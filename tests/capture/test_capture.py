@@ -172,11 +172,6 @@ def test_compile_and_run_dataclass_output(mode):
     torch.testing.assert_close(module.linear.weight.grad, plain.linear.weight.grad, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: README says capture handles dataclass outputs, but a dataclass not registered with "
-    "torch.utils._pytree makes aot_export_joint_with_descriptors raise a raw RuntimeError ('Found <class ...> in "
-    "output, which is not a known type') from capture/program.py capture(); expected: captured (e.g. registered "
-    "on the fly) or at least an AutoparError telling the user to register it"))
 def test_compile_and_run_unregistered_dataclass_output():
     torch.manual_seed(0)
     module = ToDataclass(UnregisteredOutput)

@@ -61,9 +61,6 @@ def test_offline_mesh_refuses_axis_names_of_another_length():
             pass
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: launch/mesh._check_shape converts with tuple(int(s) for s in shape): mesh_shape=8 (an int, "
-    "which compile(mesh=8) accepts) raises TypeError and mesh_shape='8x8' ValueError instead of AutoparError"))
 @pytest.mark.parametrize("shape", [8, "8x8"])
 def test_plan_mesh_shape_that_is_not_a_tuple(shape):
     try:
@@ -73,19 +70,12 @@ def test_plan_mesh_shape_that_is_not_a_tuple(shape):
     assert plan.world_size == (8 if shape == 8 else 64)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: launch/mesh._check_shape truncates with int(): mesh_shape=(2.5,) silently plans for 2 devices "
-    "and (True, 2) for (1, 2) instead of refusing sizes that are not integers"))
 @pytest.mark.parametrize("shape", [(2.5,), (True, 2)])
 def test_plan_mesh_sizes_must_be_integers(shape):
     with pytest.raises(autopar.AutoparError, match=PREFIX):
         autopar.plan(MLP(), _x(), mesh_shape=shape, strategy="data_parallel")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: launch/mesh.offline_mesh builds its DeviceMesh from torch.arange(...) on the default device, so "
-    "autopar.plan called inside `with torch.device('meta'):` (natural for a meta model) fails in DeviceMesh with "
-    "NotImplementedError: Cannot copy out of meta tensor; no data!"))
 def test_plan_under_a_meta_default_device():
     with torch.device("meta"):
         model = MLP()

@@ -73,10 +73,6 @@ def test_load_other_format_version_raises(dp_plan, tmp_path):
         autopar.Plan.load(path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: search/plan.py Plan.load catches only OSError and JSONDecodeError, and Plan.from_dict assumes "
-    "a dict with every field: a binary file raises UnicodeDecodeError, a JSON list AttributeError ('list' object "
-    "has no attribute 'get'), a JSON object without the plan's fields KeyError, instead of an AutoparError"))
 @pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "[1, 2, 3]", "{\"version\": 1}"],
                          ids=["binary", "json-list", "json-missing-fields"])
 def test_load_other_garbage_raises(tmp_path, content):

@@ -115,9 +115,10 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) ->
     """Trace ``module(*args, **kwargs)`` with its backward; ``args`` should be fake or meta tensors."""
     try:
         graph, _ = _compat.export_joint(module, tuple(args), kwargs or {})
-    except _compat.DynamoUnsupported() as error:
+    except Exception as error:  # dynamo's Unsupported/UserError, fake tensors' DataDependentOutputException, ...
         raise AutoparError(
-            f"could not capture {type(module).__name__}.forward as one graph: {str(error).splitlines()[0]}. "
+            f"could not capture {type(module).__name__}.forward as one graph ({type(error).__name__}: "
+            f"{(str(error).splitlines() or [''])[0]}). "
             "Planning and graph mode need a forward without data-dependent Python control flow; "
             "run it in eager mode (autopar.set_mode('eager')) with an explicit strategy such as 'data_parallel', "
             "or make the branch a tensor operation (torch.where)."

@@ -28,8 +28,22 @@ def device_type() -> str:
     return {"nccl": "cuda", "hccl": "npu"}.get(backend, "cpu")
 
 
+def parse_mesh_shape(shape, where: str = "mesh_shape") -> tuple[int, ...]:
+    """A mesh shape from a tuple of ints, one int, or text such as "8x8"."""
+    if isinstance(shape, str):
+        try:
+            shape = tuple(int(part) for part in shape.lower().split("x"))
+        except ValueError:
+            raise AutoparError(f"{where}: expected sizes such as '8x8', found {shape!r}.") from None
+    elif isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
+        raise AutoparError(f"{where}: expected a tuple of integer axis sizes such as (8,) or (2, 4), found {shape!r}.")
+    return tuple(shape)
+
+
 def _check_shape(shape, world_size: int, where: str) -> tuple[int, ...]:
-    shape = tuple(int(s) for s in shape)
+    shape = parse_mesh_shape(shape, where)
     if not shape or any(s < 1 for s in shape):
         raise AutoparError(f"{where}: expected a mesh shape of positive sizes such as (8,) or (2, 4), found {shape}.")
     if world_size is not None and math.prod(shape) != world_size:
@@ -63,11 +77,14 @@ def offline_mesh(mesh_shape, axis_names=None):
                 f"cannot plan for {math.prod(shape)} devices inside a running job of {dist.get_world_size()} ranks; "
                 "call autopar.plan(...) from a process without a process group (it uses a fake one)."
             )
-        yield DeviceMesh(device_type(), torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names,
-                         _init_backend=False)
+        yield DeviceMesh(device_type(), torch.arange(math.prod(shape), device="cpu").reshape(shape),
+                         mesh_dim_names=names, _init_backend=False)
         return
     dist.init_process_group("fake", store=_compat.fake_store(), rank=0, world_size=math.prod(shape))
     try:
-        yield DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names, _init_backend=False)
+        with torch.device("cpu"):  # a meta default device (natural around meta models) must not reach the mesh
+            mesh = DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names,
+                              _init_backend=False)
+        yield mesh
     finally:
         dist.destroy_process_group()

@@ -64,10 +64,13 @@ class GradientReducer:
         params = self.buckets[index]
         pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                   for p in params]
+        batch = float(self.local_batch or 0)
         with_batch = index == 0 and params[0].dtype in (torch.float32, torch.float64)
-        if with_batch:
-            batch = float(self.local_batch or 0)
+        if with_batch:  # rides along: exact in fp32 for any realistic batch size
             pieces.append(torch.tensor([batch, batch * batch], dtype=params[0].dtype, device=params[0].device))
+        elif index == 0:  # low-precision buckets cannot carry it exactly: one tiny collective of its own
+            check = torch.tensor([batch, batch * batch], dtype=torch.float64, device=params[0].device)
+            self._batch_check = (dist.all_reduce(check, group=self.group, async_op=True), check)
         flat = torch.cat(pieces)
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._launched.append((work, flat, with_batch))
@@ -77,6 +80,11 @@ class GradientReducer:
         self._callback_queued = False
         while len(self._launched) < len(self.buckets):
             self._launch(len(self._launched))
+        if getattr(self, "_batch_check", None) is not None:
+            work, check = self._batch_check
+            self._batch_check = None
+            work.wait()
+            self._check_batches(check)
         for index, (work, flat, with_batch) in enumerate(self._launched):
             work.wait()
             if with_batch:

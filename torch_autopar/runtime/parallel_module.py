@@ -75,7 +75,12 @@ class ParallelModule(torch.nn.Module):
     def _set_up(self, plan: Plan) -> None:
         self.plan = plan
         world = dist.get_world_size(self._group) if dist.is_initialized() else 1
-        self._distributed = plan.strategy == "data_parallel" and world > 1
+        if world > 1 and not plan.is_data_parallel() and plan.strategy != "stand_alone":
+            raise AutoparError(
+                f"this plan ({plan.strategy}) shards parameters, which autopar.compile cannot execute yet in this "
+                "version; plan with strategy 'data_parallel' or 'auto' for compile."
+            )
+        self._distributed = plan.is_data_parallel() and world > 1
         if self._distributed:
             broadcast_module_state(self.module, self._group)
             self._reducer = GradientReducer(dict(self.module.named_parameters()), plan.grad_buckets, self._group)

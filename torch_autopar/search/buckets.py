@@ -10,10 +10,11 @@ DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 
 
 def assign_buckets(ready_order: list[str], nbytes: dict[str, int], cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
-                   dtypes: dict[str, str] | None = None) -> list[list[str]]:
+                   dtypes: dict | None = None) -> list[list[str]]:
     """Split ``ready_order`` into consecutive buckets of at most ``cap_bytes`` (a larger tensor gets its own).
 
-    Tensors of different dtypes never share a bucket (a bucket is one flat buffer).
+    ``dtypes``: a key per tensor (its dtype, or dtype and layouts); tensors with different keys never share a
+    bucket, since a bucket is one flat buffer moved by one collective.
     """
     buckets: list[list[str]] = []
     size = 0

@@ -9,8 +9,10 @@ Variables
     y[e, p, q] ∈ [0, 1]    on edge e = (u → v): u's output is in layout p and v needs layout q
                            (layouts, not strategies: many strategies share a layout)     (``_add_edge_vars``)
 
+    g ≥ 0                  gradient synchronisation not hidden behind backward compute   (``_exposed_grad_sync``)
+
 Objective (seconds per step)
-    minimise  Σ_d Σ_a cost[d, a] · x[d, a]  +  Σ_e Σ_p Σ_q C_e[p, q] · y[e, p, q]
+    minimise  Σ_d Σ_a cost[d, a] · x[d, a]  +  Σ_{e not grad} Σ_p Σ_q C_e[p, q] · y[e, p, q]  +  g
     cost: compute of each strategy (times the members tied to d) and, for user inputs, resharding from the
     layout they arrive in; C_e: resharding between producer output and consumer requirement, gradient sync,
     tangent layout, summed over all edges tied to e.
@@ -20,7 +22,10 @@ Constraints
     (2) Σ_q y[e, p, q] = Σ_{a: rows_e[a] = p} x[u, a]   for every p   producer marginals (``_edge_rows``)
     (3) Σ_p y[e, p, q] = Σ_{b: cols_e[b] = q} x[v, b]   for every q   consumer marginals (``_edge_rows``)
     (4) Σ_d Σ_a mem[d, a] · x[d, a] ≤ memory budget    bytes per device             (``_memory_row``)
-    (5) x[d, a] = 0 for strategies a a named strategy forbids (data_parallel, fully_shard, ...): an upper
+    (5) g ≥ Σ_{e grad} Σ_p Σ_q C_e[p, q] · y[e, p, q] − Σ_d Σ_a bwd[d, a] · x[d, a]
+        gradient all-reduces / reduce-scatters overlap backward compute (bwd: its share of cost), as the
+        estimator assumes                                                            (``_exposed_grad_sync``)
+    (6) x[d, a] = 0 for strategies a a named strategy forbids (data_parallel, fully_shard, ...): an upper
         bound, so one problem serves every restriction                                 (``_Model.solve``)
 
 With x integral, (2)-(3) force y[e, p, q] = [u's layout is p] · [v needs q], so the objective is exact. Edges whose cost
@@ -64,10 +69,12 @@ class _Model:
         self.lower: list[float] = []
         self.upper: list[float] = []
         self.x_offset: list[int] = []
+        self.exposed_index: int | None = None
 
     def _new_vars(self, costs, integral: bool) -> int:
+        """Variables with objective coefficients given in seconds (stored in microseconds)."""
         start = len(self.cost)
-        self.cost.extend(float(c) for c in costs)
+        self.cost.extend(float(c) * MICROSECONDS for c in costs)
         self.integral.extend([int(integral)] * len(costs))
         return start
 
@@ -92,7 +99,21 @@ class _Model:
     def _add_edge_vars(self) -> None:
         self.y_offset = {}
         for key, edge in self.problem.edges.items():
-            self.y_offset[key] = self._new_vars(edge.cost.reshape(-1), integral=False)
+            costs = np.zeros(edge.cost.size) if edge.grad_sync else edge.cost.reshape(-1)
+            self.y_offset[key] = self._new_vars(costs, integral=False)
+
+    def _exposed_grad_sync(self) -> None:
+        grad = [(key, edge) for key, edge in self.problem.edges.items() if edge.grad_sync]
+        if not grad:
+            return
+        exposed = self.exposed_index = self._new_vars([1.0 / MICROSECONDS], integral=False)  # g in microseconds
+        entries = [(exposed, -1.0)]
+        for key, edge in grad:
+            entries += [(self.y_offset[key] + i, float(c) * MICROSECONDS)
+                        for i, c in enumerate(edge.cost.reshape(-1)) if c]
+        for d, decision in enumerate(self.problem.decisions):
+            entries += [(self.x_offset[d] + a, -float(c) * MICROSECONDS) for a, c in enumerate(decision.backward_cost) if c]
+        self._row(entries, -np.inf, 0.0)
 
     def _edge_rows(self) -> None:
         for key, edge in self.problem.edges.items():
@@ -118,6 +139,7 @@ class _Model:
         self._one_strategy_rows()
         self._edge_rows()
         self._memory_row()
+        self._exposed_grad_sync()
 
     def solve(self, time_limit_s: float, allowed: dict[int, list[int]] | None = None) -> Solution:
         started = time.perf_counter()
@@ -125,13 +147,16 @@ class _Model:
         if not hasattr(self, "_matrix"):
             self._matrix = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lower), n)).tocsr()
         upper = np.ones(n)
+        if self.exposed_index is not None:
+            upper[self.exposed_index] = np.inf  # seconds, not a 0/1 choice
         for d, keep in (allowed or {}).items():  # restriction (5): x[d, a] = 0 for strategies not allowed
             start = self.x_offset[d]
             upper[start:start + len(self.problem.decisions[d].strategies)] = 0.0
             upper[[start + a for a in keep]] = 1.0
-        # NOTE [objective in microseconds]: HiGHS accepts a MIP solution within an absolute gap of 1e-6; in
-        # seconds that is a sizeable fraction of a small model's step time, so the solver works in microseconds.
-        result = milp(np.array(self.cost) * MICROSECONDS, constraints=LinearConstraint(self._matrix, self.lower, self.upper),
+        # NOTE [microseconds]: HiGHS accepts a MIP solution within an absolute gap of 1e-6 and a primal
+        # infeasibility of 1e-7; in seconds both are sizeable fractions of a small model's step time, so every
+        # time in the model (objective and the exposed-gradient-sync row) is in microseconds.
+        result = milp(np.array(self.cost), constraints=LinearConstraint(self._matrix, self.lower, self.upper),
                       integrality=np.array(self.integral), bounds=Bounds(0.0, upper),
                       options={"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": 1e-6})
         if result.x is None:
@@ -173,5 +198,8 @@ def solve(problem: ShardingProblem, time_limit_s: float = 60.0, allowed: dict[in
 def objective_of(problem: ShardingProblem, choice: list[int]) -> float:
     """The objective value of a given choice (used to check the solver and to price fixed plans)."""
     total = sum(float(d.cost[a]) for d, a in zip(problem.decisions, choice))
-    total += sum(float(e.cost[e.rows[choice[e.producer]], e.cols[choice[e.consumer]]]) for e in problem.edges.values())
-    return total
+    edge_cost = lambda e: float(e.cost[e.rows[choice[e.producer]], e.cols[choice[e.consumer]]])  # noqa: E731
+    total += sum(edge_cost(e) for e in problem.edges.values() if not e.grad_sync)
+    grad = sum(edge_cost(e) for e in problem.edges.values() if e.grad_sync)
+    backward = sum(float(d.backward_cost[a]) for d, a in zip(problem.decisions, choice))
+    return total + max(0.0, grad - backward)

@@ -80,6 +80,13 @@ class Plan:
             size *= axis_size
         return size
 
+    def is_data_parallel(self) -> bool:
+        """Parameters replicated on every axis and some input split: each rank runs the whole model on its slice
+        and gradients are averaged (whatever the plan is named: "auto" often chooses this)."""
+        replicated = all(all(p == "R" for p in placements) for placements in self.param_placements.values())
+        split = any(any(p.startswith("S(") for p in placements) for placements in self.input_placements.values())
+        return replicated and (split or not self.input_placements) and self.world_size > 1
+
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """How many collectives of each (kind, phase) one training step runs."""
         counts: dict[tuple[str, str], int] = {}
@@ -115,12 +122,17 @@ class Plan:
         try:
             with open(path) as handle:
                 data = json.load(handle)
-        except (OSError, json.JSONDecodeError) as error:
-            raise AutoparError(f"could not read a plan from {path!r}: {error}. Expected a file written by Plan.save().") from error
-        return Plan.from_dict(data)
+            return Plan.from_dict(data)
+        except AutoparError:
+            raise
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:  # ValueError: bad JSON/UTF-8
+            raise AutoparError(f"could not read a plan from {path!r}: {type(error).__name__}: {error}. Expected a file "
+                               "written by Plan.save().") from error
 
     @staticmethod
     def from_dict(data: dict) -> "Plan":
+        if not isinstance(data, dict):
+            raise AutoparError(f"a plan is a JSON object written by Plan.save(); found a {type(data).__name__}.")
         if data.get("version") != PLAN_FORMAT_VERSION:
             raise AutoparError(
                 f"plan format version {data.get('version')!r} is not supported (expected {PLAN_FORMAT_VERSION}); "

@@ -222,14 +222,25 @@ class Planner:
         return plans
 
     def _fast_mode(self, strategy: str, edge_vars: int) -> Plan:
-        candidates = [self.propagated("data_parallel"), self.fully_shard_propagated()]
-        best = min(candidates, key=lambda plan: (plan.peak_memory > self.budget, plan.estimated_step_time))
-        best.strategy = strategy
-        best.search_stats.update({"mode": "propagation", "edge_variables": edge_vars})
-        best.notes.append(f"fast propagation mode: the exact problem has {edge_vars:,} edge variables "
-                          f"(limit {MAX_EXACT_EDGE_VARIABLES:,}); chose {best.search_stats.get('seed', 'a seed')} "
-                          "among propagated data-parallel and fully-sharded seeds")
-        return best
+        """Propagation instead of the exact search: the requested strategy's own seed where it has one
+        (data_parallel, fully_shard); otherwise the better of those two, under its own name, with a note."""
+        if strategy == "data_parallel":
+            plan = self.propagated("data_parallel")
+        elif strategy == "fully_shard":
+            plan = self.fully_shard_propagated()
+        else:
+            seeds = [self.propagated("data_parallel"), self.fully_shard_propagated()]
+            plan = min(seeds, key=lambda p: (p.peak_memory > self.budget, p.estimated_step_time))
+            if strategy == "auto":
+                plan.search_stats["candidate"] = plan.strategy
+                plan.strategy = "auto"
+            else:
+                plan.notes.append(f"{strategy} could not be searched exactly; this is the {plan.strategy} plan "
+                                  "(propagation has no seed for it)")
+        plan.search_stats.update({"mode": "propagation", "edge_variables": edge_vars})
+        plan.notes.append(f"fast propagation mode: {edge_vars:,} edge variables exceed the exact limit of "
+                          f"{MAX_EXACT_EDGE_VARIABLES:,}" if self.solver == "auto" else "propagation mode requested")
+        return plan
 
     def _real_params(self, captured: dict) -> dict:
         """Per real parameter name, the value given for the captured parameter standing for it."""
@@ -240,8 +251,10 @@ class Planner:
         ready = fold.real_order(program.grad_ready_order())
         infos = self._real_params(program.params)
         placements = self._real_params(captured_placements)
-        buckets = assign_buckets(ready, {n: infos[n].nbytes for n in ready}, self.bucket_cap_bytes,
-                                 {n: infos[n].dtype for n in ready})
+        grad_layout = lambda n: getattr(sharding.specs.get(program.grad_nodes.get(fold.captured_name(n))),  # noqa: E731
+                                        "placements", None)
+        groups = {n: (infos[n].dtype, tuple(placements[n]), grad_layout(n)) for n in ready}
+        buckets = assign_buckets(ready, {n: infos[n].nbytes for n in ready}, self.bucket_cap_bytes, groups)
         estimate = est.Estimate(weights=self.weights)
         est.add_compute(estimate, program, sharding, self.cost)
         est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names)
@@ -311,3 +324,23 @@ def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strate
     planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
                       bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver, folding=folding)
     return planner.plan(strategy, executable=executable)
+
+
+def plan_from_parameters(params: dict, world_size: int, axis_names, *, strategy: str, reason: str,
+                         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> Plan:
+    """A data-parallel (or stand-alone) plan from the parameter list alone, for models that cannot be captured.
+
+    Buckets follow reverse registration order (backward usually finishes the last layers first, as DDP assumes);
+    nothing is estimated. Eager mode runs such a plan; graph mode cannot (it needs the graph)."""
+    strategy = "stand_alone" if world_size == 1 or strategy == "stand_alone" else "data_parallel"
+    ready = list(reversed(params))
+    groups = {name: params[name].dtype for name in ready}
+    buckets = assign_buckets(ready, {n: params[n].nbytes for n in ready}, bucket_cap_bytes, groups)
+    replicated = tuple("R" for _ in axis_names)
+    return Plan(
+        strategy=strategy, mesh_shape=(world_size,), axis_names=tuple(axis_names)[:1] or ("dp",), hardware="unknown",
+        fingerprint=_fingerprint(params), global_batch=None, param_placements={n: replicated[:1] for n in params},
+        input_placements={0: ("S(0)",) if strategy == "data_parallel" else ("R",)}, grad_buckets=buckets,
+        collectives=[], layers=[], replicated_ops={}, compute_time=0.0, exposed_comm_time=0.0,
+        estimated_step_time=0.0, peak_memory=0, notes=[f"planned from the parameter list only: {reason}"],
+    )

@@ -31,6 +31,9 @@ class Decision:
     strategies: list
     members: int = 1
     cost: np.ndarray = None
+    """Seconds per strategy: compute of every member (forward and backward) and input arrival."""
+    backward_cost: np.ndarray = None
+    """The part of ``cost`` spent in backward compute (gradient synchronisation can hide behind it)."""
     memory: np.ndarray = None
 
 
@@ -45,6 +48,8 @@ class Edge:
     rows: np.ndarray
     cols: np.ndarray
     cost: np.ndarray
+    grad_sync: bool = False
+    """Gradient → parameter layout: overlaps backward compute instead of adding to the step."""
 
     def matrix(self) -> np.ndarray:
         """The cost per (producer strategy, consumer strategy) pair."""
@@ -172,16 +177,22 @@ class _Builder:
             decision = self.problem.decisions[decision_of[rep]]
             decision_of[node] = decision_of[rep]
             decision.members += 1
-            decision.cost += self._node_cost(node, decision.strategies)
+            self._add_cost(decision, node, self._node_cost(node, decision.strategies))
             decision.memory += self._node_memory(node, decision.strategies)
             if rep in self.problem.output_of:
                 self.problem.output_of[node] = self.problem.output_of[rep]
             return
         strategies = self.space.candidates[node]
         decision_of[node] = len(self.problem.decisions)
-        self.problem.decisions.append(Decision(node=node, strategies=strategies,
-                                               cost=self._node_cost(node, strategies),
-                                               memory=self._node_memory(node, strategies)))
+        decision = Decision(node=node, strategies=strategies, cost=np.zeros(len(strategies)),
+                            backward_cost=np.zeros(len(strategies)), memory=self._node_memory(node, strategies))
+        self._add_cost(decision, node, self._node_cost(node, strategies))
+        self.problem.decisions.append(decision)
+
+    def _add_cost(self, decision: Decision, node: fx.Node, seconds: np.ndarray) -> None:
+        decision.cost += seconds
+        if node.op == "call_function" and self.program.is_backward(node):
+            decision.backward_cost += seconds
 
     def _try_follow(self, node: fx.Node) -> bool:
         """Fold a single-input op into its producer's decision when, for every producer strategy, one of its
@@ -203,7 +214,7 @@ class _Builder:
         self.problem.strategy_of[node] = lambda a, own=own, follow=follow: own[follow[a]]
         self.problem.output_of[node] = lambda a, own=own, follow=follow: own[follow[a]].output
         self.followers.add(node)
-        decision.cost += self._node_cost(node, own)[follow]
+        self._add_cost(decision, node, self._node_cost(node, own)[follow])
         decision.memory += self._node_memory(node, own)[follow]
         return True
 
@@ -271,7 +282,8 @@ class _Builder:
             self.id_cache[key] = np.array([self.table.index(wanted(b)) for b in range(len(strategies))])
         return self.id_cache[key]
 
-    def _add_edge(self, producer: fx.Node, consumer: fx.Node, wanted_ids: np.ndarray, nbytes: int) -> None:
+    def _add_edge(self, producer: fx.Node, consumer: fx.Node, wanted_ids: np.ndarray, nbytes: int,
+                  grad_sync: bool = False) -> None:
         du, dv = self.problem.decision_of[producer], self.problem.decision_of[consumer]
         out_ids = self._output_ids(producer)
         key = (id(out_ids), id(wanted_ids), nbytes)
@@ -285,10 +297,11 @@ class _Builder:
         if du == dv:
             self.problem.decisions[du].cost += cost[rows, cols]
         elif cost.any():
-            edge_key = (du, dv, id(rows), id(cols))
+            edge_key = (du, dv, id(rows), id(cols), grad_sync)
             edge = self.problem.edges.get(edge_key)
             if edge is None:
-                self.problem.edges[edge_key] = Edge(producer=du, consumer=dv, rows=rows, cols=cols, cost=cost)
+                self.problem.edges[edge_key] = Edge(producer=du, consumer=dv, rows=rows, cols=cols, cost=cost,
+                                                    grad_sync=grad_sync)
             else:
                 edge.cost = edge.cost + cost
 
@@ -304,7 +317,7 @@ class _Builder:
         for name, grad in self.program.grad_nodes.items():
             param = self.program.param_nodes[name]
             if grad in self.problem.decision_of and param in self.problem.decision_of:
-                self._add_edge(grad, param, self._output_ids(param), nbytes(param.meta["val"]))
+                self._add_edge(grad, param, self._output_ids(param), nbytes(param.meta["val"]), grad_sync=True)
 
     def _tangent_edges(self) -> None:
         for tangent, index in self.program.tangent_nodes.items():
