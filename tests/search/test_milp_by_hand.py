@@ -122,9 +122,9 @@ def _memory(problem, choice) -> float:
 
 # the unrestricted optimum --------------------------------------------------------------------------------------
 def test_hand_costs_are_not_degenerate():
+    """The set-up really separates the plans: DP beats full sharding by exactly W2's second all_gather."""
     # gradient sync exceeds backward compute in both plans, so the identities in the module docstring hold
     assert sum(reduce_scatter(n) for n in (W1, B1, W2, B2)) > BACKWARD
-    """The set-up really separates the plans: DP beats full sharding by exactly W2's second all_gather."""
     assert FULLY_SHARDED - DATA_PARALLEL == pytest.approx(all_gather(W2), rel=1e-12)
     assert COMPUTE > 0.3 * DATA_PARALLEL and DATA_PARALLEL - COMPUTE > 0.3 * DATA_PARALLEL
 
