@@ -97,10 +97,6 @@ def test_a_matching_plan_is_used_as_is():
     assert pmodel.plan is plan
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: api.plan() returns a Plan passed as strategy= unchanged (`if isinstance(strategy, Plan): "
-    "return strategy`) without Plan.check_compatible, so autopar.plan(model_b, ..., strategy=plan_for_model_a) "
-    "silently returns model A's plan (and one for another mesh shape) instead of raising"))
 @pytest.mark.parametrize("mismatch", ["model", "mesh"])
 def test_offline_plan_refuses_a_plan_for_another_model_or_mesh(mismatch):
     plan = autopar.plan(MLP(), _x(), mesh_shape=(4,), strategy="data_parallel")

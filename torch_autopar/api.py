@@ -71,6 +71,10 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
     weigh the middle one by the number of layers it stands for (see capture.fold); False captures every layer."""
     check_strategy(strategy)
     if isinstance(strategy, Plan):
+        strategy.check_compatible(module_fingerprint(model), math.prod(launch.mesh.parse_mesh_shape(mesh_shape)))
+        if tuple(strategy.mesh_shape) != launch.mesh.parse_mesh_shape(mesh_shape):
+            raise AutoparError(f"this plan is for a mesh of shape {tuple(strategy.mesh_shape)}, not {mesh_shape}; "
+                               "plan again for this mesh.")
         return strategy
     with launch.offline_mesh(mesh_shape, axis_names) as mesh:
         return _plan_on_mesh(model, _as_tuple(example_inputs), dict(example_kwargs or {}), mesh, batch_factor=1,

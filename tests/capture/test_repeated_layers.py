@@ -61,12 +61,6 @@ def test_layer_decisions_stand_for_every_layer(problems, programs):
         assert problems[8].decisions[problems[8].decision_of[node]].members == 8, node.name
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (problem size): search/problem._Builder._add_edge keys edges by id() of per-node layout-id arrays "
-    "(_output_ids caches by node for followers and getitems), so the identical edges of tied layers are not "
-    "summed into one: for GPT(n_layer=8) the (layer_norm -> view) decision pair has 8 Edge entries with equal "
-    "layouts, and edge variables grow with depth (2,811 for 2 layers, 7,425 for 8 on 2 devices; 44,301 and "
-    "116,169 on a 2x2 mesh)"))
 def test_edge_variables_do_not_grow_with_depth(problems):
     assert problems[2].size()[1] == problems[8].size()[1]
 

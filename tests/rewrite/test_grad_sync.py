@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch_autopar.rewrite import GradSyncPass
 from torch_autopar.testing import fake_process_group
 
-ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce_.default  # in place on the bucket buffer
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 WORLD = 4
 
@@ -58,7 +58,7 @@ def test_one_all_reduce_per_bucket_placed_after_its_last_gradient():
     waits = [n for n in nodes if n.target is WAIT]
     assert len(waits) == 2 and all(nodes.index(w) > nodes.index(grad_nodes["b"]) for w in waits)
     inserted = {ALL_REDUCE, WAIT, torch.ops.aten.reshape.default, torch.ops.aten.cat.default,
-                torch.ops.aten.div.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.view.default}
+                torch.ops.aten.div_.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.view.default}
     kept = [str(n.target) for n in _compute_nodes(result.graph_module)
             if n.target not in inserted and n.target.__name__ != "getitem"]
     assert kept == [t for t in original if "view" not in t]

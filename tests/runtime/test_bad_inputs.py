@@ -86,10 +86,7 @@ def test_unequal_local_batches_raise(job, mode, stage):
 
 
 @pytest.mark.parametrize("mode", [
-    pytest.param("eager", marks=pytest.mark.xfail(strict=True, reason=(
-        "library bug: rewrite/reducer.py GradientReducer._launch only appends the local batch size to the first "
-        "bucket when its dtype is float32/float64 (`with_batch = index == 0 and params[0].dtype in ...`), so a "
-        "bfloat16/float16 model given unequal slices in eager mode gets silently wrong averaged gradients"))),
+    "eager",
     "graph"])
 def test_unequal_local_batches_raise_for_a_bfloat16_model(job, mode):
     for result in job:
@@ -123,12 +120,6 @@ def test_data_dependent_control_flow_in_graph_mode_raises(job):
         _assert_autopar_error(result["branchy_plan_graph"], "eager")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: compile(..., strategy='data_parallel') always captures the model at the first call "
-    "(api._Planner -> capture/program.py capture), even in eager mode; on data-dependent control flow "
-    "aot_export_joint_with_descriptors raises torch._subclasses.fake_tensor.DataDependentOutputException, which "
-    "capture() does not catch, so eager mode cannot train such a model (the capture error message even "
-    "recommends exactly this eager + 'data_parallel' combination)"))
 def test_data_dependent_control_flow_trains_in_eager_mode_with_explicit_strategy(job):
     ref_losses, ref_params = support.reference_run("branchy", "sgd")
     results = [result["branchy_data_parallel_eager"] for result in job]
@@ -139,20 +130,12 @@ def test_data_dependent_control_flow_trains_in_eager_mode_with_explicit_strategy
         support.assert_params_close(params, ref_params, what=f"branchy eager rank {rank}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: capture/program.py capture() only turns dynamo's Unsupported/UserError/TorchRuntimeError into "
-    "an AutoparError; tracing data-dependent control flow raises "
-    "torch._subclasses.fake_tensor.DataDependentOutputException, which reaches the user raw"))
 def test_graph_mode_rejects_data_dependent_control_flow_with_default_strategy():
     x, _ = support.global_batch("branchy", 0)
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: .*eager"):
         autopar.compile(support.build_model("branchy"), mode="graph")(x)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: in eager mode compile() still captures the model to plan it (api._Planner -> capture), and "
-    "capture raises DataDependentOutputException on data-dependent control flow, so the eager (PyNative) mode "
-    "cannot run such a model at all"))
 def test_eager_mode_runs_data_dependent_control_flow_with_default_strategy():
     x, _ = support.global_batch("branchy", 0)
     output = autopar.compile(support.build_model("branchy"), mode="eager")(x)

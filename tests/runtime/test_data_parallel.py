@@ -174,10 +174,6 @@ def test_full_batch_returns_whole_output_and_global_gradients(job2, mode):
                                        msg=lambda m: f"{mode} rank {rank}/{world} grad of {name}: {m}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: with the default strategy='auto' the planner (search/planner.py Planner._auto) returns a plan "
-    "whose strategy is 'auto', and ParallelModule._set_up only synchronises gradients when plan.strategy == "
-    "'data_parallel', so compile(model) on several ranks silently leaves each rank with its local gradient"))
 def test_default_strategy_averages_gradients_over_ranks(job2):
     world, results = job2
     model = support.build_model("mlp")

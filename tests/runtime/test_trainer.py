@@ -145,10 +145,6 @@ def test_batch_size_not_divisible_by_ranks_raises(job):
         assert message.startswith("torch_autopar: batch_size=3 is the global batch") and "2 data-parallel" in message
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: Model(plain_network, ...) compiles with strategy='auto', whose plan has strategy 'auto' "
-    "(search/planner.py Planner._auto), and ParallelModule._set_up only synchronises gradients for "
-    "plan.strategy == 'data_parallel': each rank trains on its own shard alone and the replicas diverge"))
 def test_model_compiles_a_plain_network_for_data_parallel(job):
     assert all(torch.equal(job[0]["auto_params"][name], job[1]["auto_params"][name]) for name in job[0]["auto_params"])
 

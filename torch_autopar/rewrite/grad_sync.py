@@ -72,13 +72,16 @@ class GradSyncPass:
                 anchor[0] = graph.call_function(target, args)
             return anchor[0]
 
+        # NOTE [one buffer per bucket]: cat makes the bucket's only new buffer; the all-reduce and the division
+        # work in place on it (the out-of-place functional versions cost two more bucket-sized allocations and
+        # their page faults every step). The graph is already functionalised, so in-place ops are safe here.
         flats = [after_anchor(aten.reshape.default, (g, [-1])) for g in grads]
         flat = after_anchor(aten.cat.default, (flats,))
-        reduced = after_anchor(torch.ops._c10d_functional.all_reduce.default, (flat, "sum", self.group_name))
+        reduced = after_anchor(torch.ops._c10d_functional.all_reduce_.default, (flat, "sum", self.group_name))
         output_node = graph.find_nodes(op="output")[0]
         with graph.inserting_before(output_node):
             waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
-            mean = graph.call_function(aten.div.Tensor, (waited, self.world_size))
+            mean = graph.call_function(aten.div_.Tensor, (waited, self.world_size))
             sizes = [_numel(g) for g in grads]
             pieces = graph.call_function(aten.split_with_sizes.default, (mean, sizes))
             for index, (position, grad) in enumerate(zip(positions, grads)):

@@ -297,7 +297,7 @@ class _Builder:
         if du == dv:
             self.problem.decisions[du].cost += cost[rows, cols]
         elif cost.any():
-            edge_key = (du, dv, id(rows), id(cols), grad_sync)
+            edge_key = (du, dv, rows.tobytes(), cols.tobytes(), grad_sync)  # tied layers' edges share one
             edge = self.problem.edges.get(edge_key)
             if edge is None:
                 self.problem.edges[edge_key] = Edge(producer=du, consumer=dv, rows=rows, cols=cols, cost=cost,

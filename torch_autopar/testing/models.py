@@ -69,7 +69,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 style decoder: token + position embeddings, pre-norm blocks, tied output head."""
+    """GPT-2 style decoder: token + position embeddings, pre-norm blocks, tied output head.
+
+    PyTorch's default initialisation (N(0, 1) embeddings): examples that train it apply GPT-2's N(0, 0.02)."""
 
     def __init__(self, config: GPTConfig | None = None):
         super().__init__()
