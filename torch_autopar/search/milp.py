@@ -22,7 +22,9 @@ Constraints
     (2) Σ_q y[e, p, q] = Σ_{a: rows_e[a] = p} x[u, a]   for every p   producer marginals (``_edge_rows``)
     (3) Σ_p y[e, p, q] = Σ_{b: cols_e[b] = q} x[v, b]   for every q   consumer marginals (``_edge_rows``)
     (4) Σ_d Σ_a mem[d, a] · x[d, a] ≤ memory budget    bytes per device             (``_memory_row``)
-    (5) g ≥ Σ_{e grad} Σ_p Σ_q C_e[p, q] · y[e, p, q] − Σ_d Σ_a bwd[d, a] · x[d, a]
+    (5) only with ``problem.overlap_grad_sync`` (otherwise gradient edges are priced in the objective like the
+        others and g does not exist):
+        g ≥ Σ_{e grad} Σ_p Σ_q C_e[p, q] · y[e, p, q] − Σ_d Σ_a bwd[d, a] · x[d, a]
         gradient all-reduces / reduce-scatters overlap backward compute (bwd: its share of cost), as the
         estimator assumes                                                            (``_exposed_grad_sync``)
     (6) x[d, a] = 0 for strategies a a named strategy forbids (data_parallel, fully_shard, ...): an upper
@@ -99,12 +101,13 @@ class _Model:
     def _add_edge_vars(self) -> None:
         self.y_offset = {}
         for key, edge in self.problem.edges.items():
-            costs = np.zeros(edge.cost.size) if edge.grad_sync else edge.cost.reshape(-1)
+            hidden = edge.grad_sync and self.problem.overlap_grad_sync
+            costs = np.zeros(edge.cost.size) if hidden else edge.cost.reshape(-1)
             self.y_offset[key] = self._new_vars(costs, integral=False)
 
     def _exposed_grad_sync(self) -> None:
         grad = [(key, edge) for key, edge in self.problem.edges.items() if edge.grad_sync]
-        if not grad:
+        if not grad or not self.problem.overlap_grad_sync:
             return
         exposed = self.exposed_index = self._new_vars([1.0 / MICROSECONDS], integral=False)  # g in microseconds
         entries = [(exposed, -1.0)]
@@ -199,6 +202,8 @@ def objective_of(problem: ShardingProblem, choice: list[int]) -> float:
     """The objective value of a given choice (used to check the solver and to price fixed plans)."""
     total = sum(float(d.cost[a]) for d, a in zip(problem.decisions, choice))
     edge_cost = lambda e: float(e.cost[e.rows[choice[e.producer]], e.cols[choice[e.consumer]]])  # noqa: E731
+    if not problem.overlap_grad_sync:
+        return total + sum(edge_cost(e) for e in problem.edges.values())
     total += sum(edge_cost(e) for e in problem.edges.values() if not e.grad_sync)
     grad = sum(edge_cost(e) for e in problem.edges.values() if e.grad_sync)
     backward = sum(float(d.backward_cost[a]) for d, a in zip(problem.decisions, choice))
