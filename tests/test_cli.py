@@ -111,7 +111,8 @@ def _main(capsys, *args) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    ([f"{HERE}:tiny_gpt", "--mesh", "2"], r"tests.test_cli:tiny_gpt returned a module without example inputs; pass --batch"),
+    ([f"{HERE}:tiny_gpt", "--mesh", "2"],
+     r"tests.test_cli:tiny_gpt returned a module without example inputs; pass --batch"),
     (["nothing_here"], r"'nothing_here': expected MODULE:FACTORY"),
     (["no_such_module_xyz:f"], r"could not import module 'no_such_module_xyz'"),
     ([f"{HERE}:missing"], r"module 'tests.test_cli' has no attribute 'missing'"),

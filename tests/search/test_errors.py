@@ -99,7 +99,8 @@ def test_plan_file_for_another_model_is_refused_by_compile(tmp_path):
 def test_plan_file_for_another_world_size_is_refused_by_compile(tmp_path):
     path = tmp_path / "four.json"
     autopar.plan(MLP(), _x(), mesh_shape=(4,), strategy="data_parallel").save(path)
-    with pytest.raises(autopar.AutoparError, match=PREFIX + r"this plan needs 4 ranks \(mesh \(4,\)\) but the job has 1"):
+    needs = r"this plan needs 4 ranks \(mesh \(4,\)\) but the job has 1"
+    with pytest.raises(autopar.AutoparError, match=PREFIX + needs):
         autopar.compile(MLP(), _x(), strategy=autopar.Plan.load(path))
 
 
