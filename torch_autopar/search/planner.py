@@ -158,6 +158,16 @@ class Planner:
         roles = axis_roles(strategy, self.mesh.ndim)
         return self.searched_many([strategy], restriction=leaf_filter(self.program, roles))[strategy]
 
+    def _searched_or_none(self, strategy: str) -> Plan | None:
+        try:
+            if strategy == "auto":
+                return self.searched_many(["auto"]).get("auto")
+            return self.searched(strategy)
+        except AutoparError as error:  # does not fit the budget under this restriction; other candidates may
+            if strategy == "auto":
+                self.infeasible = error
+            return None
+
     def searched_many(self, strategies: list[str], restriction=None) -> dict[str, Plan]:
         """Exact searches for several named strategies over one problem (restrictions bound leaf choices)."""
         started = time.perf_counter()
@@ -291,10 +301,21 @@ class Planner:
         names = ["data_parallel"] if executable else ["data_parallel", "fully_shard", "tensor_parallel", "auto"]
         if not executable and self.mesh.ndim >= 2:
             names.insert(3, "fsdp_tp")
-        searched = self.searched_many([n for n in names if n != "data_parallel"]) if len(names) > 1 else {}
-        plans = [self.propagated("data_parallel")] + list(searched.values())
-        for name, plan in zip(["data_parallel"] + list(searched), plans):
-            plan.search_stats["candidate"] = name
+        # Each named strategy is planned exactly as plan(strategy=name) plans it (its own restricted problem),
+        # so auto can never lose to one of them; "auto" itself is the unrestricted search.
+        plans = []
+        for name in names:
+            if name == "data_parallel":
+                plan = self.propagated(name)
+            elif name == "auto":
+                plan = self._searched_or_none(name)
+            else:
+                plan = self._searched_or_none(name)
+            if plan is not None:
+                plan.search_stats["candidate"] = name
+                plans.append(plan)
+        if not any(plan.peak_memory <= self.budget for plan in plans) and getattr(self, "infeasible", None):
+            raise self.infeasible  # the search's error states the smallest memory any plan needs
         best = self._within_budget(plans)
         best.notes.append("auto compared " + ", ".join(
             f"{p.search_stats['candidate']} {p.estimated_step_time * 1e3:.3f} ms"
