@@ -24,7 +24,7 @@ __all__ = [
     "DTensorSpec", "FakeTensor", "FakeTensorMode", "TensorMeta", "make_boxed_func",
     "export_joint", "input_kind", "grad_target", "tangent_output_index", "output_index",
     "propagate_sharding", "node_flops", "queue_backward_callback", "fake_store", "aot_autograd_backend",
-    "register_dynamo_backend", "functional_all_reduce", "functional_wait", "DynamoUnsupported",
+    "register_dynamo_backend", "functional_all_reduce_inplace", "functional_wait_tensor", "DynamoUnsupported",
 ]
 
 
@@ -137,14 +137,15 @@ def dynamo_unsupported_errors() -> tuple[type, ...]:
 DynamoUnsupported = dynamo_unsupported_errors
 
 
-def functional_all_reduce(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
-    """Asynchronous, traceable all-reduce (``_c10d_functional``); pair it with ``functional_wait``."""
-    return torch.ops._c10d_functional.all_reduce.default(tensor, op, group_name)
+def functional_all_reduce_inplace():
+    """The traceable, asynchronous in-place all-reduce op (``_c10d_functional.all_reduce_``) for graph passes;
+    pair it with ``functional_wait_tensor``."""
+    return torch.ops._c10d_functional.all_reduce_.default
 
 
-def functional_wait(tensor: torch.Tensor) -> torch.Tensor:
-    """Wait for a functional collective's result."""
-    return torch.ops._c10d_functional.wait_tensor.default(tensor)
+def functional_wait_tensor():
+    """The op that waits for a functional collective's result."""
+    return torch.ops._c10d_functional.wait_tensor.default
 
 
 def group_name(group: dist.ProcessGroup) -> str:

@@ -14,7 +14,7 @@ import torch
 from torch_autopar import launch
 from torch_autopar.capture import capture, fake_global_inputs
 from torch_autopar.capture.fold import folded_layers
-from torch_autopar.capture.program import TensorInfo
+from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import get_profile
 from torch_autopar.errors import AutoparError
 from torch_autopar.runtime import ParallelModule
@@ -32,10 +32,7 @@ def _as_tuple(example_inputs) -> tuple:
 
 def module_fingerprint(module: torch.nn.Module) -> str:
     """The fingerprint a plan for ``module`` carries (parameter names, shapes, dtypes)."""
-    from torch_autopar.capture import CapturedProgram
-
-    params = {name: TensorInfo.of(p) for name, p in module.named_parameters()}
-    return CapturedProgram.fingerprint(type("P", (), {"params": params})())
+    return params_fingerprint({name: TensorInfo.of(p) for name, p in module.named_parameters()})
 
 
 def _global_batch(args, kwargs) -> int | None:

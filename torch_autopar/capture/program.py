@@ -79,8 +79,13 @@ class CapturedProgram:
 
     def fingerprint(self) -> str:
         """Identifies the model's parameters (names, shapes, dtypes): a plan is only valid for this."""
-        text = ";".join(f"{name}:{info.shape}:{info.dtype}" for name, info in sorted(self.params.items()))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return params_fingerprint(self.params)
+
+
+def params_fingerprint(params: dict[str, TensorInfo]) -> str:
+    """A short hash of parameter names, shapes and dtypes (order-independent)."""
+    text = ";".join(f"{name}:{info.shape}:{info.dtype}" for name, info in sorted(params.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _param_device(module: torch.nn.Module) -> torch.device:

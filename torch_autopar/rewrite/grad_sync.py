@@ -77,10 +77,10 @@ class GradSyncPass:
         # their page faults every step). The graph is already functionalised, so in-place ops are safe here.
         flats = [after_anchor(aten.reshape.default, (g, [-1])) for g in grads]
         flat = after_anchor(aten.cat.default, (flats,))
-        reduced = after_anchor(torch.ops._c10d_functional.all_reduce_.default, (flat, "sum", self.group_name))
+        reduced = after_anchor(_compat.functional_all_reduce_inplace(), (flat, "sum", self.group_name))
         output_node = graph.find_nodes(op="output")[0]
         with graph.inserting_before(output_node):
-            waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
+            waited = graph.call_function(_compat.functional_wait_tensor(), (reduced,))
             mean = graph.call_function(aten.div_.Tensor, (waited, self.world_size))
             sizes = [_numel(g) for g in grads]
             pieces = graph.call_function(aten.split_with_sizes.default, (mean, sizes))
@@ -91,7 +91,7 @@ class GradSyncPass:
         result.synced_bytes += sum(sizes) * _itemsize(grads[0])
 
     def ensures(self, result: GradSyncResult) -> None:
-        waits = len(result.graph_module.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default))
+        waits = len(result.graph_module.graph.find_nodes(op="call_function", target=_compat.functional_wait_tensor()))
         if waits < result.all_reduces:
             raise AssertionError(f"{result.all_reduces} all-reduces inserted but only {waits} waits")
 
@@ -121,5 +121,3 @@ def _numel(node: fx.Node) -> int:
 def _itemsize(node: fx.Node) -> int:
     return _value(node).element_size()
 
-
-_ = _compat  # functional collectives are registered with torch.distributed; the adapter pins their names

@@ -18,6 +18,7 @@ from torch.distributed.tensor import Shard
 
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.fold import Folding
+from torch_autopar.capture.program import params_fingerprint
 from torch_autopar.capture.layers import node_weights
 from torch_autopar.cost import CostModel, HardwareProfile
 from torch_autopar.errors import AutoparError
@@ -50,11 +51,6 @@ def check_strategy(strategy, *, executable: bool = False) -> None:
             f"strategy={strategy!r} can be planned (autopar.plan) but not yet executed by autopar.compile in this "
             f"version; use one of {EXECUTABLE}."
         )
-
-
-def _fingerprint(infos: dict) -> str:
-    """Same fingerprint as ``CapturedProgram.fingerprint`` but over the real (unfolded) parameters."""
-    return CapturedProgram.fingerprint(type("Params", (), {"params": infos})())
 
 
 def _owner(name: str) -> str:
@@ -277,7 +273,7 @@ class Planner:
                   if hasattr(sharding.specs.get(n), "placements")}
         return Plan(
             strategy=strategy, mesh_shape=tuple(self.mesh.shape), axis_names=self.axis_names,
-            hardware=self.cost.hardware.name, fingerprint=_fingerprint(infos), global_batch=self.global_batch,
+            hardware=self.cost.hardware.name, fingerprint=params_fingerprint(infos), global_batch=self.global_batch,
             param_placements={k: format_placements(v) for k, v in placements.items()},
             input_placements=inputs, grad_buckets=buckets, collectives=estimate.collectives,
             layers=_layer_rows(program, infos, placements, buckets, self.cost, estimate, fold),
@@ -360,7 +356,7 @@ def plan_from_parameters(params: dict, world_size: int, axis_names, *, strategy:
     replicated = tuple("R" for _ in axis_names)
     return Plan(
         strategy=strategy, mesh_shape=(world_size,), axis_names=tuple(axis_names)[:1] or ("dp",), hardware="unknown",
-        fingerprint=_fingerprint(params), global_batch=None, param_placements={n: replicated[:1] for n in params},
+        fingerprint=params_fingerprint(params), global_batch=None, param_placements={n: replicated[:1] for n in params},
         input_placements={0: ("S(0)",) if strategy == "data_parallel" else ("R",)}, grad_buckets=buckets,
         collectives=[], layers=[], replicated_ops={}, compute_time=0.0, exposed_comm_time=0.0,
         estimated_step_time=0.0, peak_memory=0, notes=[f"planned from the parameter list only: {reason}"],
