@@ -121,12 +121,7 @@ def _check_options(strategy, mode, mesh) -> None:
         raise AutoparError(f"mode={mode!r}: expected one of {MODES} or None (use the global mode).")
     world = launch.get_world_size() if launch.is_initialized() else 1
     if mesh is not None and not isinstance(mesh, torch.distributed.device_mesh.DeviceMesh):
-        shape = (mesh,) if isinstance(mesh, int) else tuple(mesh)
-        if math.prod(shape) != world:
-            raise AutoparError(
-                f"mesh={shape} has {math.prod(shape)} devices but this job has {world} ranks; the mesh must cover "
-                "every rank (launch with torchrun --nproc-per-node matching the mesh)."
-            )
+        launch.check_mesh_shape(mesh, world, "compile(mesh=...)")
 
 
 def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memory_budget=None, hardware=None,

@@ -8,6 +8,7 @@ from torch_autopar.launch.init import detect_backend, get_rank, get_world_size, 
 
 __all__ = ["detect_backend", "get_rank", "get_world_size", "init", "is_initialized"]
 
-from torch_autopar.launch.mesh import default_axis_names, device_type, offline_mesh, resolve_mesh  # noqa: E402
+from torch_autopar.launch.mesh import (  # noqa: E402
+    check_mesh_shape, default_axis_names, device_type, offline_mesh, resolve_mesh)
 
-__all__ += ["default_axis_names", "device_type", "offline_mesh", "resolve_mesh"]
+__all__ += ["check_mesh_shape", "default_axis_names", "device_type", "offline_mesh", "resolve_mesh"]

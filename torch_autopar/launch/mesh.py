@@ -42,14 +42,16 @@ def parse_mesh_shape(shape, where: str = "mesh_shape") -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _check_shape(shape, world_size: int, where: str) -> tuple[int, ...]:
+def check_mesh_shape(shape, world_size: int | None, where: str) -> tuple[int, ...]:
+    """A valid mesh shape covering exactly ``world_size`` ranks (None: any size), else a clear error."""
     shape = parse_mesh_shape(shape, where)
     if not shape or any(s < 1 for s in shape):
         raise AutoparError(f"{where}: expected a mesh shape of positive sizes such as (8,) or (2, 4), found {shape}.")
     if world_size is not None and math.prod(shape) != world_size:
         raise AutoparError(
-            f"{where}: a mesh of shape {shape} has {math.prod(shape)} devices but the job has {world_size} ranks; "
-            "the product of the mesh sizes must equal the world size (e.g. mesh=(2, world_size // 2))."
+            f"mesh={shape} has {math.prod(shape)} devices but this job has {world_size} ranks ({where}); the product "
+            "of the mesh sizes must equal the world size: launch with torchrun --nproc-per-node matching the mesh "
+            "or use e.g. mesh=(2, world_size // 2)."
         )
     return shape
 
@@ -60,14 +62,14 @@ def resolve_mesh(mesh, world_size: int) -> DeviceMesh:
         if mesh.size() != world_size:
             raise AutoparError(f"mesh has {mesh.size()} devices but the job has {world_size} ranks; pass a mesh over all ranks.")
         return mesh
-    shape = _check_shape((world_size,) if mesh is None else mesh, world_size, "compile(mesh=...)")
+    shape = check_mesh_shape((world_size,) if mesh is None else mesh, world_size, "compile(mesh=...)")
     return init_device_mesh(device_type(), shape, mesh_dim_names=default_axis_names(len(shape)))
 
 
 @contextlib.contextmanager
 def offline_mesh(mesh_shape, axis_names=None):
     """A mesh of ``mesh_shape`` for planning without ranks: a fake process group lives for the block."""
-    shape = _check_shape(mesh_shape, None, "mesh_shape")
+    shape = check_mesh_shape(mesh_shape, None, "mesh_shape")
     names = tuple(axis_names) if axis_names else default_axis_names(len(shape))
     if len(names) != len(shape):
         raise AutoparError(f"axis_names {names} must name each of the {len(shape)} mesh axes of {shape}.")
