@@ -163,3 +163,21 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.out(self.norm(x))
+
+
+class SmallCNN(nn.Module):
+    """Two conv + batch-norm + ReLU stages, global average pooling and a linear classifier (for batch-norm
+    semantics in tests: each strategy's treatment of batch statistics is documented in README.md)."""
+
+    def __init__(self, channels: int = 8, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(2 * channels)
+        self.head = nn.Linear(2 * channels, classes)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean(dim=(2, 3)))
