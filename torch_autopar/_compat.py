@@ -64,6 +64,13 @@ def grad_target(desc: Any) -> str | None:
     return None
 
 
+def mutated_buffer(desc: Any) -> str | None:
+    """For a graph output that is the new value of a buffer the forward updates in place, the buffer's name."""
+    if isinstance(desc, _desc.InputMutationAOTOutput) and isinstance(desc.mutated_input, _desc.BufferAOTInput):
+        return desc.mutated_input.target
+    return None
+
+
 def output_index(desc: Any) -> int | None:
     """For a graph output that is a user (forward) output, its flat index among the model's output leaves."""
     return desc.idx if isinstance(desc, _desc.PlainAOTOutput) else None
@@ -213,3 +220,122 @@ def strategy_types():
     from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy
 
     return OpStrategy, OpSpec, TupleStrategy
+
+
+# --- Sharded execution (DTensor) -------------------------------------------------------------------------------
+
+def allow_implicit_replication() -> None:
+    """Let plain tensors meet DTensors in one op as replicated values (``positions = torch.arange(T)`` added to
+    a sharded activation, a causal mask kept for backward). Process-wide and left on: the autograd engine runs
+    backward outside any context manager, and dynamo cannot trace the public ``implicit_replication()`` one.
+    Public equivalent: ``torch.distributed.tensor.experimental.implicit_replication``."""
+    DTensor._op_dispatcher._allow_implicit_replication = True
+
+
+def collective_op_kinds() -> dict:
+    """Collective ops as they reach the dispatcher (functional and c10d), by overload packet → (kind, how the
+    moved bytes are read: "input" or "output", group argument index or None for c10d ops)."""
+    fc, c10d = torch.ops._c10d_functional, torch.ops.c10d
+    return {
+        fc.all_reduce: ("all_reduce", "input", 2), fc.all_reduce_: ("all_reduce", "input", 2),
+        fc.all_gather_into_tensor: ("all_gather", "output", 2),
+        fc.reduce_scatter_tensor: ("reduce_scatter", "input", 3),
+        fc.all_to_all_single: ("all_to_all", "input", 3),
+        fc.broadcast: ("broadcast", "input", 2),
+        c10d.allreduce_: ("all_reduce", "input", None), c10d.broadcast_: ("broadcast", "input", None),
+        c10d._allgather_base_: ("all_gather", "output", None), c10d.allgather_: ("all_gather", "output", None),
+        c10d._reduce_scatter_base_: ("reduce_scatter", "input", None),
+    }
+
+
+def is_persistent_buffer(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module``'s buffer ``name`` is saved in its state_dict (``register_buffer(persistent=...)``)."""
+    return name not in module._non_persistent_buffers_set
+
+
+def incompatible_keys(missing: list, unexpected: list):
+    """What ``nn.Module.load_state_dict`` returns: a named tuple of missing and unexpected keys."""
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def redistribute_steps(mesh, source: tuple, target: tuple) -> list[tuple[int, Any, Any, float]]:
+    """The steps DTensor's ``redistribute`` takes from ``source`` to ``target`` placements on ``mesh``: one
+    (mesh axis, from, to, share) per step, ``share`` being the fraction of the global tensor the step's
+    collective moves per rank (its buffer). Evenly divisible shapes are assumed."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    dims = [p.dim for p in tuple(source) + tuple(target) if hasattr(p, "dim")]
+    ndim = max(dims, default=0) + 1
+    side = 2 * mesh.size()
+    shape = (side,) * ndim
+    stride = tuple(side ** (ndim - 1 - i) for i in range(ndim))
+    meta = TensorMeta(torch.Size(shape), stride, torch.float32)
+    infos = _gen_transform_infos(DTensorSpec(mesh, tuple(source), meta), DTensorSpec(mesh, tuple(target), meta))
+    total = side ** ndim
+    steps = []
+    for info in infos:
+        logical = 1
+        for size in info.logical_shape:
+            logical *= int(size)
+        steps.append((info.mesh_dim, info.src_dst_placements[0], info.src_dst_placements[1], logical / total))
+    return steps
+
+
+def fix_convolution_redistribution() -> None:
+    """DTensor's runtime handlers for ``aten.convolution`` and its backward (written for spatially sharded
+    tensor parallelism) skip the redistribution its own sharding rule asks for, so a sharded weight reaches the
+    local kernel as a shard. Wrap them to redistribute the arguments as the rule requires first (a weight
+    sharded by a fully-sharded plan is all-gathered, as the planner predicts). Idempotent."""
+    dispatcher = DTensor._op_dispatcher
+    for op in (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default):
+        original = dispatcher._custom_op_handlers.get(op)
+        if original is None or getattr(original, "_autopar_redistributes", False):
+            continue
+
+        def handler(op_call, args, kwargs, original=original):
+            return original(op_call, _redistribute_as_required(op_call, args, kwargs), kwargs)
+
+        handler._autopar_redistributes = True
+        dispatcher._custom_op_handlers[op] = handler
+
+
+def _redistribute_as_required(op_call, args: tuple, kwargs: dict) -> tuple:
+    op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    DTensor._op_dispatcher.sharding_propagator.propagate(op_info)
+    output = op_info.output_sharding
+    if output is None or not output.needs_redistribute or output.redistribute_schema is None:
+        return args
+    wanted = output.redistribute_schema.args_schema
+    moved = list(args)
+    for index, (arg, spec) in enumerate(zip(args, wanted)):
+        if isinstance(arg, DTensor) and isinstance(spec, DTensorSpec) and tuple(arg.placements) != tuple(spec.placements):
+            moved[index] = arg.redistribute(arg.device_mesh, spec.placements)
+    return tuple(moved)
+
+
+def fix_inplace_redistribution() -> None:
+    """DTensor runs an op that updates an argument in place (batch norm's running statistics) on a
+    redistributed copy when its rule wants that argument in another layout, so the update is lost. Wrap such
+    ops to write the updated copy back into the original tensor, in its own layout. Idempotent."""
+    dispatcher = DTensor._op_dispatcher
+    for op in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default):
+        if op in dispatcher._custom_op_handlers:
+            continue
+        written = [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        if op is torch.ops.aten.native_batch_norm.default:
+            written = [3, 4]  # running_mean, running_var: updated in place although the schema does not say so
+
+        def handler(op_call, args, kwargs, written=written):
+            moved = _redistribute_as_required(op_call, args, kwargs)
+            handler_now = dispatcher._custom_op_handlers.pop(op_call)
+            try:
+                out = op_call(*moved, **kwargs)
+            finally:
+                dispatcher._custom_op_handlers[op_call] = handler_now
+            for index in written:
+                before, after = args[index], moved[index]
+                if after is not before and isinstance(before, DTensor):
+                    before.to_local().copy_(after.redistribute(before.device_mesh, before.placements).to_local())
+            return out
+
+        dispatcher._custom_op_handlers[op] = handler

@@ -56,6 +56,8 @@ class CapturedProgram:
     """Forward output leaves (flat index → node); non-tensor outputs are absent."""
     grad_nodes: dict[str, fx.Node] = field(default_factory=dict)
     """Parameter name → node computing its gradient (absent when the parameter gets no gradient)."""
+    buffer_updates: dict[str, fx.Node] = field(default_factory=dict)
+    """Buffer name → node computing its new value (running statistics updated by the forward)."""
 
     def grad_ready_order(self) -> list[str]:
         """Parameters in the order their gradients become final during backward (earliest first)."""
@@ -145,6 +147,8 @@ def _describe(graph: fx.GraphModule) -> CapturedProgram:
             program.grad_nodes[name] = value
         elif (index := _compat.output_index(desc)) is not None:
             program.output_nodes[index] = value
+        elif (buffer := _compat.mutated_buffer(desc)) is not None:
+            program.buffer_updates[buffer] = value
     return program
 
 

@@ -60,9 +60,40 @@ def _transition_kind(have, want) -> str | None:
 class CostModel:
     """Costs on ``hardware`` for a mesh of ``mesh_shape`` (ranks laid out row-major, last axis innermost)."""
 
-    def __init__(self, hardware: HardwareProfile, mesh_shape: tuple[int, ...]):
+    def __init__(self, hardware: HardwareProfile, mesh_shape: tuple[int, ...], mesh=None):
         self.hardware = hardware
         self.mesh_shape = tuple(mesh_shape)
+        self.mesh = mesh
+        """A DeviceMesh (real or fake) lets ``moves`` follow DTensor's own redistribution steps."""
+        self._moves: dict = {}
+
+    @property
+    def has_all_to_all(self) -> bool:
+        """Gloo has no all_to_all: DTensor all-gathers and keeps its chunk instead (same bytes out)."""
+        return not self.hardware.name.startswith("cpu")
+
+    def moves(self, source, target, global_nbytes: int) -> list[CollectiveCost]:
+        """The collectives that run to move a tensor of ``global_nbytes`` from ``source`` to ``target``: the
+        steps DTensor takes when a mesh is known (exact for multi-axis moves), else one per axis."""
+        key = (tuple(source), tuple(target))
+        if key not in self._moves:
+            self._moves[key] = self._unit_moves(*key)
+        return [CollectiveCost(kind, axis, int(global_nbytes * share)) for kind, axis, share in self._moves[key]]
+
+    def _unit_moves(self, source, target) -> list[tuple[str, int, float]]:
+        if self.mesh is None:
+            steps = [(c.axis, c.kind, c.nbytes / (1 << 30)) for c in collectives_for(source, target, 1 << 30, self.mesh_shape)]
+        else:
+            from torch_autopar import _compat
+
+            steps = [(axis, _transition_kind(have, want), share)
+                     for axis, have, want, share in _compat.redistribute_steps(self.mesh, source, target)]
+        moves = []
+        for axis, kind, share in steps:
+            if kind is None:
+                continue
+            moves.append(("all_gather" if kind == "all_to_all" and not self.has_all_to_all else kind, axis, share))
+        return moves
 
     def link(self, axis: int) -> Link:
         """The link an axis's collectives run over: intra-node if the ranks it spans share a node."""
@@ -94,7 +125,7 @@ class CostModel:
     def reshard_coefficients(self, source, target) -> tuple[float, float]:
         """(latency, seconds per byte of the global tensor) to move a tensor from ``source`` to ``target``."""
         latency = per_byte = 0.0
-        for move in collectives_for(source, target, 1 << 30, self.mesh_shape):
+        for move in self.moves(source, target, 1 << 30):
             a, b = self.collective_coefficients(move.kind, move.axis)
             latency += a
             per_byte += b * move.nbytes / (1 << 30)

@@ -18,6 +18,7 @@ from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import GradientReducer
 from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime.modes import get_mode
+from torch_autopar.runtime.sharded import ShardedRunner
 from torch_autopar.search import Plan
 
 
@@ -63,6 +64,7 @@ class ParallelModule(torch.nn.Module):
         self._distributed = False
         self._compiled = None
         self._reducer = None
+        self._sharded: ShardedRunner | None = None
         if plan is not None:
             self._set_up(plan)
 
@@ -75,30 +77,42 @@ class ParallelModule(torch.nn.Module):
     def _set_up(self, plan: Plan) -> None:
         self.plan = plan
         world = dist.get_world_size(self._group) if dist.is_initialized() else 1
-        if world > 1 and not plan.is_data_parallel() and plan.strategy != "stand_alone":
-            raise AutoparError(
-                f"this plan ({plan.strategy}) shards parameters, which autopar.compile cannot execute yet in this "
-                "version; plan with strategy 'data_parallel' or 'auto' for compile."
-            )
         self._distributed = plan.is_data_parallel() and world > 1
+        if world > 1 and not self._distributed:
+            if self._group is not None and dist.get_world_size(self._group) != dist.get_world_size():
+                raise AutoparError("a sharded plan runs on all ranks of the job; pass group=None.")
+            self._sharded = ShardedRunner(self.module, plan)
+            return
         if self._distributed:
             broadcast_module_state(self.module, self._group)
             self._reducer = GradientReducer(dict(self.module.named_parameters()), plan.grad_buckets, self._group)
 
     @property
     def world_size(self) -> int:
+        """Ranks that split the batch (1 when this module runs alone)."""
+        if self._sharded is not None:
+            return self._sharded.world_size
         return dist.get_world_size(self._group) if self._distributed else 1
+
+    @property
+    def mesh(self):
+        """The DeviceMesh a sharded plan runs on (None for data parallelism and one process)."""
+        return self._sharded.mesh if self._sharded is not None else None
 
     def forward(self, *args, **kwargs):
         if self.plan is None:
             self.prepare(args, kwargs)
-        if self.full_batch and self._distributed:
+        split = self._distributed or self._sharded is not None
+        if self.full_batch and split:
             args, kwargs = self._local_slice(args, kwargs)
         if self._distributed and self.broadcast_buffers:
             self._broadcast_buffers()
         mode = self.mode or get_mode()
-        output = self._run_graph(args, kwargs) if mode == "graph" else self._run_eager(args, kwargs)
-        if self.full_batch and self._distributed:
+        if self._sharded is not None:
+            output = self._sharded.run(args, kwargs, mode, backends.autopar_backend)
+        else:
+            output = self._run_graph(args, kwargs) if mode == "graph" else self._run_eager(args, kwargs)
+        if self.full_batch and split:
             output = pytree.tree_map(self._gather_batch, output)
         return output
 
@@ -174,8 +188,18 @@ class ParallelModule(torch.nn.Module):
                 broadcast_module_state(holder, self._group)
 
     def state_dict(self, *args, **kwargs):
-        """Full, unsharded tensors under the user's own parameter names (loadable into the plain model)."""
+        """Full, unsharded tensors under the user's own parameter names (loadable into the plain model).
+        With a sharded plan every rank must call it (sharded tensors are gathered)."""
+        if self._sharded is not None:
+            return self._sharded.state_dict(*args, **kwargs)
         return self.module.state_dict(*args, **kwargs)
 
+    def sharded_state_dict(self) -> dict:
+        """This rank's shards as DTensors (for torch.distributed.checkpoint); full tensors when nothing is sharded."""
+        return self._sharded.sharded_state_dict() if self._sharded is not None else self.module.state_dict()
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load full tensors (from state_dict() or the plain model); a sharded plan keeps each rank's shard."""
+        if self._sharded is not None:
+            return self._sharded.load_state_dict(state_dict, strict)
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from torch_autopar.capture import CapturedProgram
-from torch_autopar.cost import CostModel, collectives_for
+from torch_autopar.cost import CostModel
 from torch_autopar.cost.ops import dtype_name, is_free, node_flops
 from torch_autopar.search.plan import PlannedCollective
 from torch_autopar.strategies import Sharding
@@ -79,7 +79,7 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
     by_name = {node.name: node for node in program.graph.graph.nodes}
     for redistribution in sharding.redistributions:
         count = estimate.weight(by_name[redistribution.node])
-        for c in collectives_for(redistribution.source, redistribution.target, redistribution.global_nbytes, cost.mesh_shape):
+        for c in cost.moves(redistribution.source, redistribution.target, redistribution.global_nbytes):
             estimate.collectives.append(PlannedCollective(
                 kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes,
                 phase="backward" if redistribution.backward else "forward", where=redistribution.node,
@@ -96,7 +96,7 @@ def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, bucke
         if first is None:
             continue
         nbytes = sum(param_nbytes[name] for name in bucket)
-        for c in collectives_for(sharding.specs[first].placements, param_placements[bucket[0]], nbytes, cost.mesh_shape):
+        for c in cost.moves(sharding.specs[first].placements, param_placements[bucket[0]], nbytes):
             estimate.collectives.append(PlannedCollective(
                 kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes, phase="grad_sync",
                 where=f"bucket{index}", seconds=cost.collective_time(c.kind, c.axis, c.nbytes)))

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import time
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.fold import Folding
@@ -25,18 +26,22 @@ from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
 from torch_autopar.search.milp import Solver
-from torch_autopar.search.plan import LayerRow, Plan
+from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective
 from torch_autopar.search.problem import build_problem
 from torch_autopar.search.solution import to_sharding
-from torch_autopar.strategies import format_placements, propagate, seed_placements
+from torch_autopar.strategies import Redistribution, format_placements, parse_placements, propagate, seed_placements
 from torch_autopar.strategies.enumerate import enumerate_strategies
 from torch_autopar.strategies.roles import axis_roles, leaf_filter
 
 STRATEGIES = ("auto", "data_parallel", "stand_alone", "fully_shard", "tensor_parallel", "fsdp_tp")
 """Names accepted as ``strategy=``; a ``Plan`` object is accepted too."""
-EXECUTABLE = ("auto", "data_parallel", "stand_alone")
-"""What ``autopar.compile`` can run in this version; "auto" then chooses among the executable ones."""
+EXECUTABLE = STRATEGIES
+"""What ``autopar.compile`` can run: every strategy (sharded plans through ``Planner.executed``)."""
 SEARCHED = ("auto", "fully_shard", "tensor_parallel", "fsdp_tp")
+ALL_AXES_SEPARATOR = "+"
+"""A collective over every rank is on axis "dp+tp" (the axis names joined)."""
+BATCH_CHECK_BYTES = 16
+"""The sharded runtime's per-step check that all ranks pass equal batch slices (two float64)."""
 MAX_EXACT_EDGE_VARIABLES = 400_000
 """Above this many edge variables the exact solve is replaced by the fast propagation mode."""
 
@@ -127,7 +132,7 @@ class Planner:
                  global_batch: int | None = None, solver: str = "auto", time_limit_s: float = 60.0,
                  folding=None):
         self.program, self.mesh, self.axis_names = program, mesh, tuple(axis_names)
-        self.cost = CostModel(hardware, tuple(mesh.shape))
+        self.cost = CostModel(hardware, tuple(mesh.shape), mesh)
         self.budget = memory_budget if memory_budget is not None else hardware.memory_bytes
         self.bucket_cap_bytes, self.global_batch = bucket_cap_bytes, global_batch
         self.solver, self.time_limit_s = solver, time_limit_s
@@ -252,7 +257,7 @@ class Planner:
         """Per real parameter name, the value given for the captured parameter standing for it."""
         return {real: value for name, value in captured.items() for real in self.folding.real_names(name)}
 
-    def _plan(self, strategy: str, sharding, captured_placements: dict) -> Plan:
+    def _plan(self, strategy: str, sharding, captured_placements: dict, bucket_cap_bytes: int | None = None) -> Plan:
         program, fold = self.program, self.folding
         ready = fold.real_order(program.grad_ready_order())
         infos = self._real_params(program.params)
@@ -260,7 +265,8 @@ class Planner:
         grad_layout = lambda n: getattr(sharding.specs.get(program.grad_nodes.get(fold.captured_name(n))),  # noqa: E731
                                         "placements", None)
         groups = {n: (infos[n].dtype, tuple(placements[n]), grad_layout(n)) for n in ready}
-        buckets = assign_buckets(ready, {n: infos[n].nbytes for n in ready}, self.bucket_cap_bytes, groups)
+        cap = self.bucket_cap_bytes if bucket_cap_bytes is None else bucket_cap_bytes
+        buckets = assign_buckets(ready, {n: infos[n].nbytes for n in ready}, cap, groups)
         estimate = est.Estimate(weights=self.weights)
         est.add_compute(estimate, program, sharding, self.cost)
         est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names)
@@ -283,19 +289,70 @@ class Planner:
             search_stats={"seed": strategy, "folded_layers": dict(fold.lengths)},
         )
 
+    # what runs ---------------------------------------------------------------------------------------------------
+    def executed(self, plan: Plan) -> Plan:
+        """``plan`` as the sharded runtime executes it: the parameters and inputs placed as ``plan`` says and
+        every other node as DTensor's rules place it at run time (the propagation), plus the layout changes of
+        the runtime itself: the batch arrives split over all ranks, batch outputs leave the same way (their
+        gradients come back so), other outputs leave replicated, and each gradient is moved into its parameter's
+        layout on its own. Data-parallel plans run as planned (bucketed all-reduces) and are returned as is."""
+        if plan.is_data_parallel() or self.mesh.size() == 1:
+            return plan
+        arrival, replicate = tuple(Shard(0) for _ in range(self.mesh.ndim)), tuple(Replicate() for _ in range(self.mesh.ndim))
+        program = self.program
+        params = {name: parse_placements(plan.param_placements[name]) for name in program.param_nodes}
+        seeds = {program.param_nodes[name]: placements for name, placements in params.items()}
+        for index, node in program.input_nodes.items():
+            batch = node.meta["val"].ndim >= 1
+            wanted = plan.input_placements.get(index)
+            seeds[node] = parse_placements(wanted) if wanted else (arrival if batch else replicate)
+        sharding = propagate(program, self.mesh, seeds)
+        for node in program.input_nodes.values():
+            self._note_move(sharding, node, arrival if node.meta["val"].ndim >= 1 else replicate, seeds[node], False)
+        for output in program.output_nodes.values():
+            value, spec = output.meta.get("val"), sharding.specs.get(output)
+            if not isinstance(value, torch.Tensor) or spec is None:
+                continue
+            leaving = arrival if value.ndim >= 1 and value.shape[0] == self.global_batch else replicate
+            self._note_move(sharding, output, spec.placements, leaving, False)
+            if leaving == arrival:
+                self._note_move(sharding, output, leaving, spec.placements, True)
+        for name, update in program.buffer_updates.items():  # new running statistics written back, replicated
+            spec = sharding.specs.get(update)
+            if spec is not None and hasattr(spec, "placements") and name in program.buffer_nodes:
+                self._note_move(sharding, update, spec.placements, replicate, False)
+        result = self._plan(plan.strategy, sharding, params, bucket_cap_bytes=0)
+        result.collectives.append(PlannedCollective(
+            kind="all_reduce", axis=ALL_AXES_SEPARATOR.join(self.axis_names), nbytes=BATCH_CHECK_BYTES,
+            phase="forward", where="batch size check", seconds=self.cost.collective_time("all_reduce", 0, 16)))
+        result.search_stats = {**plan.search_stats, "executed_as": "DTensor propagation of the plan's placements",
+                               "planned_step_time": plan.estimated_step_time}
+        result.notes = plan.notes + [
+            f"executed as DTensor places each op: estimated {result.estimated_step_time * 1e3:.3f} ms per step "
+            f"(the search's own layout: {plan.estimated_step_time * 1e3:.3f} ms)"]
+        return result
+
+    @staticmethod
+    def _note_move(sharding, node, source, target, backward: bool) -> None:
+        if tuple(source) != tuple(target):
+            value = node.meta["val"]
+            sharding.redistributions.append(Redistribution(
+                node=node.name, arg_index=0, source=tuple(source), target=tuple(target),
+                global_nbytes=value.numel() * value.element_size(), backward=backward))
+
     # choosing ---------------------------------------------------------------------------------------------------
     def plan(self, strategy: str, *, executable: bool = False) -> Plan:
         check_strategy(strategy, executable=executable)
         if strategy == "auto":
             return self._auto(executable)
         plan = self.propagated(strategy) if strategy in ("data_parallel", "stand_alone") else self.searched(strategy)
-        return self._within_budget([plan])
+        return self._within_budget([self.executed(plan) if executable else plan])
 
     def _auto(self, executable: bool) -> Plan:
         if self.mesh.size() == 1:
             return self._within_budget([self.propagated("stand_alone")])
-        names = ["data_parallel"] if executable else ["data_parallel", "fully_shard", "tensor_parallel", "auto"]
-        if not executable and self.mesh.ndim >= 2:
+        names = ["data_parallel", "fully_shard", "tensor_parallel", "auto"]
+        if self.mesh.ndim >= 2:
             names.insert(3, "fsdp_tp")
         # Each named strategy is planned exactly as plan(strategy=name) plans it (its own restricted problem),
         # so auto can never lose to one of them; "auto" itself is the unrestricted search.
@@ -308,6 +365,7 @@ class Planner:
             else:
                 plan = self._searched_or_none(name)
             if plan is not None:
+                plan = self.executed(plan) if executable else plan
                 plan.search_stats["candidate"] = name
                 plans.append(plan)
         if not any(plan.peak_memory <= self.budget for plan in plans) and getattr(self, "infeasible", None):
@@ -317,7 +375,7 @@ class Planner:
             f"{p.search_stats['candidate']} {p.estimated_step_time * 1e3:.3f} ms"
             + (" (over budget)" if p.peak_memory > self.budget else "") for p in plans)
             + f"; chose {best.search_stats['candidate']}"
-            + (" (compile runs only data_parallel in this version)" if executable else ""))
+            + (" (estimates of the layouts as executed)" if executable else ""))
         best.strategy = "auto"
         return best
 

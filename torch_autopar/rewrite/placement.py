@@ -1,0 +1,193 @@
+"""Place a module, its inputs and its outputs on a device mesh as a sharded Plan says (DTensor).
+
+The per-rank program of a sharded plan is the user's own module whose parameters are DTensors: each op runs
+on local shards and DTensor inserts the collectives its per-op rules require (the same rules the planner
+propagated, so the collectives that run are the ones the plan lists). The steps, each small and testable:
+
+  distribute_parameters  requires: the module's parameters equal on every rank or not (rank 0's win)
+                         ensures:  each parameter is a DTensor with the plan's placements, whose full value is
+                                   rank 0's parameter; buffers are replicated DTensors
+  inputs_to_global       requires: each rank passes its own slice of the global batch (dim 0)
+                         ensures:  DTensors in the plan's input layout (collectives only where that differs)
+  outputs_to_local       ensures:  each rank gets the rows of the outputs that match its input slice; the
+                                   gradient flowing back is averaged over ranks as data parallelism does
+  GradientPlacement      ensures:  after backward, each gradient is in its parameter's layout (partial sums
+                                   reduced over the axes the batch was split on, shards reduce-scattered)
+
+Must never choose a placement (the Plan does) and never change a parameter's value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from torch_autopar import _compat
+from torch_autopar.errors import AutoparError
+from torch_autopar.launch.mesh import device_type
+from torch_autopar.search.plan import Plan
+from torch_autopar.strategies.placements import parse_placements
+
+
+def mesh_for_plan(plan: Plan) -> DeviceMesh:
+    """The device mesh of ``plan`` over this job's ranks (rank-major, axes named as in the plan)."""
+    return init_device_mesh(device_type(), tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.axis_names))
+
+
+def batch_arrival(mesh: DeviceMesh) -> tuple:
+    """How a batch arrives: rank r holds the r-th slice of dim 0 (rank-major over every mesh axis)."""
+    return tuple(Shard(0) for _ in range(mesh.ndim))
+
+
+def replicated(mesh: DeviceMesh) -> tuple:
+    return tuple(Replicate() for _ in range(mesh.ndim))
+
+
+def _placements_of(plan: Plan, name: str) -> tuple:
+    if name not in plan.param_placements:
+        raise AutoparError(f"the plan has no placement for parameter {name!r}; it was made for another model. "
+                           "Plan again for this model.")
+    return parse_placements(plan.param_placements[name])
+
+
+def distribute_parameters(module: torch.nn.Module, mesh: DeviceMesh, plan: Plan) -> None:
+    """Replace every parameter by a DTensor parameter placed per ``plan`` (values from rank 0) and every
+    buffer by a replicated DTensor. Shared (tied) parameters stay shared."""
+    _compat.allow_implicit_replication()
+    _compat.fix_convolution_redistribution()
+    _compat.fix_inplace_redistribution()
+    placed: dict[int, torch.nn.Parameter] = {}
+    for owner_name, owner in module.named_modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if id(param) not in placed:
+                full_name = f"{owner_name}.{name}" if owner_name else name
+                local = distribute_tensor(param.detach(), mesh, _placements_of(plan, full_name))
+                placed[id(param)] = torch.nn.Parameter(local, requires_grad=param.requires_grad)
+            owner.register_parameter(name, placed[id(param)])
+        for name, buffer in list(owner.named_buffers(recurse=False)):
+            if buffer is not None and not isinstance(buffer, DTensor):
+                persistent = _compat.is_persistent_buffer(owner, name)
+                owner.register_buffer(name, distribute_tensor(buffer, mesh, replicated(mesh)), persistent=persistent)
+
+
+def global_batch_size(args, kwargs, world_size: int) -> int | None:
+    """The global batch: this rank's dim 0 times the number of ranks (every rank passes an equal slice)."""
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1:
+            return int(leaf.shape[0]) * world_size
+    return None
+
+
+def inputs_to_global(args, kwargs, mesh: DeviceMesh, input_placements: dict):
+    """Each tensor leaf (flat index i) as a DTensor: batch-split on arrival, then in ``input_placements[i]``."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    placed = []
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor):
+            arrival = batch_arrival(mesh) if leaf.ndim >= 1 else replicated(mesh)
+            shape = (leaf.shape[0] * mesh.size(),) + tuple(leaf.shape[1:]) if leaf.ndim >= 1 else leaf.shape
+            leaf = DTensor.from_local(leaf, mesh, arrival, run_check=False, shape=torch.Size(shape),
+                                      stride=_contiguous_stride(shape))
+            wanted = input_placements.get(index)
+            if wanted is not None:
+                leaf = leaf.redistribute(mesh, parse_placements(wanted))
+        placed.append(leaf)
+    return pytree.tree_unflatten(placed, spec)
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, running = [], 1
+    for size in reversed(tuple(shape)):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class _AverageOverRanks(torch.autograd.Function):
+    """Identity forward; backward divides by the number of batch slices (each rank's loss is a mean over its
+    slice, so the global mean's gradient is the average of the ranks' gradients, as in data parallelism)."""
+
+    @staticmethod
+    def forward(ctx, local, slices):
+        ctx.slices = slices
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.slices, None
+
+
+def outputs_to_local(output, mesh: DeviceMesh, global_batch: int | None):
+    """Each DTensor output as this rank's plain tensor: outputs with the batch as dim 0 give the rows matching
+    this rank's input slice (their gradient averaged over ranks); other outputs (a loss computed inside the
+    model) are replicated, the same value on every rank."""
+
+    def to_local(leaf):
+        if not isinstance(leaf, DTensor):
+            return leaf
+        if global_batch is not None and leaf.ndim >= 1 and leaf.shape[0] == global_batch:
+            layout = batch_arrival(mesh)
+            local = leaf.redistribute(mesh, layout).to_local(grad_placements=layout)
+            return _AverageOverRanks.apply(local, mesh.size()) if local.requires_grad else local
+        layout = replicated(mesh)
+        return leaf.redistribute(mesh, layout).to_local(grad_placements=layout)
+
+    return pytree.tree_map(to_local, output)
+
+
+class GradientPlacement:
+    """After each parameter's gradient is accumulated, move it into the parameter's own layout.
+
+    DTensor's backward leaves the gradient of a parameter replicated over the batch axes as a partial sum; the
+    optimizer needs it in the parameter's layout (all-reduce to replicate, reduce-scatter to shard)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.handles = []
+        seen = set()
+        for param in module.parameters():
+            if isinstance(param, DTensor) and param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                self.handles.append(param.register_post_accumulate_grad_hook(self._place))
+
+    @staticmethod
+    def _place(param) -> None:
+        grad = param.grad
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def full_state_dict(state: dict) -> dict:
+    """Full tensors for every DTensor value (a collective per sharded tensor: every rank must call it)."""
+    return {key: value.full_tensor().detach() if isinstance(value, DTensor) else value for key, value in state.items()}
+
+
+def load_full_state_dict(module: torch.nn.Module, state: dict, strict: bool = True):
+    """Copy full tensors into the module's (possibly sharded) parameters and buffers: each rank keeps its shard
+    of rank 0's values."""
+    own = module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if strict and (missing or unexpected):
+        raise AutoparError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}; expected the "
+                           "state_dict of the same model (pmodel.state_dict() or the plain model's).")
+    with torch.no_grad():
+        for key, target in own.items():
+            if key not in state:
+                continue
+            value = torch.as_tensor(state[key])
+            if tuple(value.shape) != tuple(target.shape):
+                raise AutoparError(f"load_state_dict: {key!r} has shape {tuple(value.shape)}, the model expects "
+                                   f"{tuple(target.shape)} (the full, unsharded shape).")
+            if isinstance(target, DTensor):
+                shard = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements)
+                target.to_local().copy_(shard.to_local())
+            else:
+                target.copy_(value)
+    return _compat.incompatible_keys(missing, unexpected)

@@ -1,0 +1,79 @@
+"""Count the collectives that actually run (kind, mesh axis, bytes), to hold them against a Plan's list.
+
+A dispatch mode sees every functional collective DTensor issues and every c10d collective (eager and the
+graphs of the "autopar" backend, which run op by op). Bytes follow the plan's convention: the full buffer on
+one rank (all_gather: its output; the others: their input). Must never change what runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torch_autopar import _compat
+
+
+@dataclass(frozen=True, slots=True)
+class CountedCollective:
+    kind: str
+    axis: str
+    nbytes: int
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """``with CollectiveCounter(mesh) as counter: step()`` → ``counter.records`` / ``counter.summary()``."""
+
+    def __init__(self, mesh=None, axis_names=None):
+        super().__init__()
+        self.records: list[CountedCollective] = []
+        self._kinds = {packet: info for packet, info in _compat.collective_op_kinds().items()}
+        self._axes: dict[str, str] = {}
+        if mesh is not None:
+            names = tuple(axis_names or mesh.mesh_dim_names or range(mesh.ndim))
+            for axis in range(mesh.ndim):
+                self._axes[_compat.group_name(mesh.get_group(axis))] = str(names[axis])
+            if dist.is_initialized():
+                self._axes.setdefault(_compat.group_name(dist.group.WORLD), "+".join(map(str, names)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run first; the collectives it issues come back through here
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        info = self._kinds.get(func.overloadpacket)
+        if info is not None:
+            kind, which, group_index = info
+            nbytes = _nbytes(out if which == "output" else args[0])
+            if which == "output" and isinstance(out, tuple):  # c10d ops return (tensors, work)
+                nbytes = _nbytes(args[0])
+            group = args[group_index] if group_index is not None and len(args) > group_index else None
+            axis = self._axes.get(group, str(group)) if isinstance(group, str) else self._axes.get(
+                _compat.group_name(dist.group.WORLD), "world")
+            self.records.append(CountedCollective(kind, axis, nbytes))
+        return out
+
+    def summary(self) -> Counter:
+        """(kind, axis, bytes) → how many ran."""
+        return Counter((r.kind, r.axis, r.nbytes) for r in self.records)
+
+
+def planned_summary(plan) -> Counter:
+    """The plan's collectives in the same form: (kind, axis, bytes) → how many per step."""
+    counts: Counter = Counter()
+    for c in plan.collectives:
+        if c.nbytes > 0:
+            counts[(c.kind, c.axis, c.nbytes)] += c.count
+    return counts

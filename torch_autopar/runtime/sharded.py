@@ -1,0 +1,107 @@
+"""Run a sharded plan (tensor-, fully-sharded or hybrid) on this rank, in eager or graph mode.
+
+Eager: the user's ``forward`` runs op by op on DTensor parameters (prints and breakpoints work; a print shows
+a DTensor). Graph: the same function through ``torch.compile`` with the "autopar" backend; DTensor's ops are
+lowered to local aten ops and functional collectives in the captured graphs. Both run the same per-op rules,
+so they compute the same numbers. Must never plan, and never leave a parameter out of the optimizer: a
+parameter replaced by its sharded version is swapped in any optimizer that still holds the original.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.distributed.tensor import DTensor
+
+from torch_autopar.errors import AutoparError
+from torch_autopar.rewrite import placement
+from torch_autopar.search import Plan
+
+_REPLACED: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
+"""id(original parameter) → its sharded replacement, for optimizers built before planning."""
+_ORIGINALS: dict[int, "weakref.ref"] = {}
+_HOOK = None
+
+
+def _swap_in_optimizers(optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: replace original parameters by their sharded versions (before any state)."""
+    for group in optimizer.param_groups:
+        for index, param in enumerate(group["params"]):
+            replacement = _REPLACED.get(id(param))
+            if replacement is None or _ORIGINALS.get(id(param), lambda: None)() is not param:
+                continue
+            if optimizer.state.get(param):
+                raise AutoparError(
+                    "this optimizer already holds state for a parameter that autopar.compile has since sharded; "
+                    "create the optimizer after the first forward, or pass example_inputs to autopar.compile.")
+            group["params"][index] = replacement
+
+
+def _remember_replacements(before: dict, module: torch.nn.Module) -> None:
+    global _HOOK
+    after = dict(module.named_parameters(remove_duplicate=False))
+    for name, original in before.items():
+        if after.get(name) is not original:
+            _REPLACED[id(original)] = after[name]
+            _ORIGINALS[id(original)] = weakref.ref(original)
+    if _HOOK is None:
+        _HOOK = register_optimizer_step_pre_hook(_swap_in_optimizers)
+
+
+class ShardedRunner:
+    """The module's parameters placed per ``plan`` on a mesh over all ranks, and how one call runs."""
+
+    def __init__(self, module: torch.nn.Module, plan: Plan):
+        self.module, self.plan = module, plan
+        self.mesh = placement.mesh_for_plan(plan)
+        before = dict(module.named_parameters(remove_duplicate=False))
+        placement.distribute_parameters(module, self.mesh, plan)
+        _remember_replacements(before, module)
+        self.gradients = placement.GradientPlacement(module)
+        self._compiled = None
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size()
+
+    def forward(self, *args, **kwargs):
+        """One call on this rank's slice: global DTensor inputs → the user's forward → this rank's outputs."""
+        batch = placement.global_batch_size(args, kwargs, self.world_size)
+        global_args, global_kwargs = placement.inputs_to_global(args, kwargs, self.mesh, self.plan.input_placements)
+        output = self.module(*global_args, **global_kwargs)
+        return placement.outputs_to_local(output, self.mesh, batch)
+
+    def run(self, args, kwargs, mode: str, backend):
+        self.check_batch_sizes(args, kwargs)
+        if mode != "graph":
+            return self.forward(*args, **kwargs)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False)
+        return self._compiled(*args, **kwargs)
+
+    def check_batch_sizes(self, args, kwargs) -> None:
+        """One 16-byte all-reduce: every rank must pass a slice of the same size (the global shape depends on it)."""
+        local = float(placement.global_batch_size(args, kwargs, 1) or 0)
+        sums = torch.tensor([local, local * local], dtype=torch.float64)
+        dist.all_reduce(sums)
+        if abs(self.world_size * float(sums[1]) - float(sums[0]) ** 2) > 0.5:
+            raise AutoparError(
+                f"ranks were given batches of unequal size (this rank: {int(local)}, sum over {self.world_size} "
+                f"ranks: {int(sums[0])}); a sharded plan needs equal slices of the global batch. Make the global "
+                "batch divisible by the number of ranks, or use autopar.Model(...).train().")
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return placement.full_state_dict(self.module.state_dict(*args, **kwargs))
+
+    def sharded_state_dict(self) -> dict:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return placement.load_full_state_dict(self.module, state_dict, strict)
+
+
+def is_sharded_module(module: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
