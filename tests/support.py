@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_autopar.testing.models import GPT, MLP, gpt_loss
+from torch_autopar.testing.models import GPT, MLP, SmallCNN, gpt_loss
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -25,7 +25,9 @@ def outcome(fn, *args, **kwargs) -> tuple[str, object]:
 
 def build_model(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": MLP, "gpt": GPT, "branchy": Branchy, "straight": Straight}[name]()
+    if name == "uneven":  # widths that do not divide by 4 ranks: 10 hidden units, 6 outputs
+        return MLP((12, 10, 6))
+    return {"mlp": MLP, "gpt": GPT, "branchy": Branchy, "straight": Straight, "cnn": SmallCNN}[name]()
 
 
 def global_batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +36,10 @@ def global_batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     if name == "gpt":
         tokens = torch.randint(0, 96, (GLOBAL_BATCH, 17), generator=generator)
         return tokens[:, :-1], tokens[:, 1:]
+    if name == "cnn":
+        return torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=generator), torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator)
+    if name == "uneven":
+        return torch.randn(GLOBAL_BATCH, 12, generator=generator), torch.randn(GLOBAL_BATCH, 6, generator=generator)
     if name in ("branchy", "straight"):
         x = torch.randn(GLOBAL_BATCH, 8, generator=generator).abs()
         return (x if step % 2 == 0 else -x), torch.randn(GLOBAL_BATCH, 4, generator=generator)
@@ -41,6 +47,8 @@ def global_batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_fn(name: str, output, target):
+    if name == "cnn":
+        return F.cross_entropy(output, target)
     return gpt_loss(output, target) if name == "gpt" else F.mse_loss(output, target)
 
 
@@ -128,3 +136,10 @@ def batch_norm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(2000 + step)
     x = torch.randn(GLOBAL_BATCH, 6, generator=generator) * (step + 1)
     return x, torch.randn(GLOBAL_BATCH, 2, generator=generator)
+
+
+def full(tensor):
+    """The full (unsharded) value of a tensor or DTensor (a collective for DTensors: call on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

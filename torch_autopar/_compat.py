@@ -258,27 +258,18 @@ def incompatible_keys(missing: list, unexpected: list):
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def redistribute_steps(mesh, source: tuple, target: tuple) -> list[tuple[int, Any, Any, float]]:
-    """The steps DTensor's ``redistribute`` takes from ``source`` to ``target`` placements on ``mesh``: one
-    (mesh axis, from, to, share) per step, ``share`` being the fraction of the global tensor the step's
-    collective moves per rank (its buffer). Evenly divisible shapes are assumed."""
+def redistribute_steps(mesh, source: tuple, target: tuple) -> list[tuple[int, Any, Any]]:
+    """The steps DTensor's ``redistribute`` takes from ``source`` to ``target`` placements on ``mesh``, in
+    order: (mesh axis, from, to). Computed for an evenly divisible tensor."""
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
     dims = [p.dim for p in tuple(source) + tuple(target) if hasattr(p, "dim")]
     ndim = max(dims, default=0) + 1
     side = 2 * mesh.size()
-    shape = (side,) * ndim
     stride = tuple(side ** (ndim - 1 - i) for i in range(ndim))
-    meta = TensorMeta(torch.Size(shape), stride, torch.float32)
+    meta = TensorMeta(torch.Size((side,) * ndim), stride, torch.float32)
     infos = _gen_transform_infos(DTensorSpec(mesh, tuple(source), meta), DTensorSpec(mesh, tuple(target), meta))
-    total = side ** ndim
-    steps = []
-    for info in infos:
-        logical = 1
-        for size in info.logical_shape:
-            logical *= int(size)
-        steps.append((info.mesh_dim, info.src_dst_placements[0], info.src_dst_placements[1], logical / total))
-    return steps
+    return [(info.mesh_dim, info.src_dst_placements[0], info.src_dst_placements[1]) for info in infos]
 
 
 def fix_convolution_redistribution() -> None:

@@ -20,7 +20,7 @@ from torch_autopar.errors import AutoparError
 from torch_autopar.runtime import ParallelModule
 from torch_autopar.runtime.modes import MODES
 from torch_autopar.search import Plan, build_plan, check_strategy
-from torch_autopar.search.planner import plan_from_parameters
+from torch_autopar.search.planner import Planner, plan_from_parameters
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES
 
 
@@ -89,10 +89,12 @@ class _Planner:
 
     def __call__(self, module, args, kwargs) -> Plan:
         world = launch.get_world_size() if launch.is_initialized() else 1
+        factor = 1 if self.full_batch else world
         if isinstance(self.strategy, Plan):
             self.strategy.check_compatible(module_fingerprint(module), world)
-            return self.strategy
-        factor = 1 if self.full_batch else world
+            if self.strategy.is_data_parallel() or world == 1:
+                return self.strategy
+            return self._as_executed(module, args, kwargs, factor)
         try:
             return self._plan_with_graph(module, args, kwargs, world, factor)
         except AutoparError as error:
@@ -102,6 +104,17 @@ class _Planner:
             names = launch.default_axis_names(1)
             return plan_from_parameters(params, world, names, strategy=self.strategy, reason=str(error),
                                         bucket_cap_bytes=self.bucket_cap_bytes)
+
+    def _as_executed(self, module, args, kwargs, factor) -> Plan:
+        """A given sharded plan with the collectives the runtime will run for it (captured on this call)."""
+        plan = self.strategy
+        mesh = launch.mesh.job_mesh(tuple(plan.mesh_shape), tuple(plan.axis_names))
+        fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, factor)
+        program = capture(module, fake_args, fake_kwargs)
+        hardware = plan.hardware if plan.hardware != "unknown" else (self.hardware or "cpu-gloo")
+        planner = Planner(program, mesh, plan.axis_names, hardware=get_profile(hardware),
+                          global_batch=_global_batch(fake_args, fake_kwargs))
+        return planner.executed(plan)
 
     def _plan_with_graph(self, module, args, kwargs, world, factor) -> Plan:
         if not launch.is_initialized():

@@ -87,7 +87,7 @@ def _default_strategy_case(rank, world):
     pmodel = autopar.compile(model)
     x, y = support.global_batch("mlp", 0)
     support.loss_fn("mlp", pmodel(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-    return {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "strategy": pmodel.plan.strategy}
+    return {"grads": {n: support.full(p.grad).clone() for n, p in model.named_parameters()}, "strategy": pmodel.plan.strategy}
 
 
 def _data_parallel_job(rank, world, extras):

@@ -8,6 +8,7 @@ Must never decide a plan.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch_autopar.cost.hardware import HardwareProfile, Link
@@ -86,8 +87,11 @@ class CostModel:
         else:
             from torch_autopar import _compat
 
-            steps = [(axis, _transition_kind(have, want), share)
-                     for axis, have, want, share in _compat.redistribute_steps(self.mesh, source, target)]
+            steps, current = [], list(source)
+            for axis, have, want in _compat.redistribute_steps(self.mesh, source, target):
+                others = [self.mesh_shape[d] for d, p in enumerate(current) if d != axis and is_sharded(p)]
+                steps.append((axis, _transition_kind(have, want), 1.0 / math.prod(others)))
+                current[axis] = want
         moves = []
         for axis, kind, share in steps:
             if kind is None:

@@ -63,7 +63,21 @@ def resolve_mesh(mesh, world_size: int) -> DeviceMesh:
             raise AutoparError(f"mesh has {mesh.size()} devices but the job has {world_size} ranks; pass a mesh over all ranks.")
         return mesh
     shape = check_mesh_shape((world_size,) if mesh is None else mesh, world_size, "compile(mesh=...)")
-    return init_device_mesh(device_type(), shape, mesh_dim_names=default_axis_names(len(shape)))
+    return job_mesh(shape, default_axis_names(len(shape)))
+
+
+_JOB_MESHES: dict = {}
+
+
+def job_mesh(shape, axis_names) -> DeviceMesh:
+    """The one DeviceMesh of this shape and these axis names over the job's ranks (created once per process
+    group: DTensor caches layouts by mesh equality, which ignores process groups, so two equal meshes with
+    different groups would mix them)."""
+    world = dist.group.WORLD
+    key = (id(world), tuple(shape), tuple(axis_names))
+    if key not in _JOB_MESHES or _JOB_MESHES[key][0] is not world:
+        _JOB_MESHES[key] = (world, init_device_mesh(device_type(), tuple(shape), mesh_dim_names=tuple(axis_names)))
+    return _JOB_MESHES[key][1]
 
 
 @contextlib.contextmanager

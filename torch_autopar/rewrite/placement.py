@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import torch
 import torch.utils._pytree as pytree
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
-from torch_autopar.launch.mesh import device_type
+from torch_autopar.launch.mesh import job_mesh
 from torch_autopar.search.plan import Plan
 from torch_autopar.strategies.placements import parse_placements
 
 
 def mesh_for_plan(plan: Plan) -> DeviceMesh:
     """The device mesh of ``plan`` over this job's ranks (rank-major, axes named as in the plan)."""
-    return init_device_mesh(device_type(), tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.axis_names))
+    return job_mesh(tuple(plan.mesh_shape), tuple(plan.axis_names))
 
 
 def batch_arrival(mesh: DeviceMesh) -> tuple:

@@ -52,3 +52,35 @@ def data_parallel_backend(named_params: dict[str, torch.nn.Parameter], buckets: 
         return _compat.aot_autograd_backend(_run_graph, bw_compiler)(gm, example_inputs)
 
     return backend
+
+
+def graph_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, str, int]]:
+    """The collectives a compiled graph runs: (kind, process group name, bytes per rank, plan convention)."""
+    kinds = _compat.collective_op_kinds()
+    found = []
+    for node in gm.graph.nodes:
+        info = kinds.get(getattr(node.target, "overloadpacket", None)) if node.op == "call_function" else None
+        if info is None or info[2] is None:
+            continue
+        kind, which, group_index = info
+        value = node.meta.get("val") if which == "output" else node.args[0].meta.get("val")
+        nbytes = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+        found.append((kind, str(node.args[group_index]), nbytes))
+    return found
+
+
+def sharded_backend(stats: dict):
+    """The "autopar" backend for sharded plans (DTensor already lowered to local ops and functional
+    collectives); records each compiled graph's collectives in ``stats["graph_collectives"]``."""
+    recorded = stats.setdefault("graph_collectives", {"forward": [], "backward": []})
+
+    def compiler(phase):
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+            recorded[phase] = graph_collectives(gm)
+            return _compat.make_boxed_func(gm.forward)
+        return compile_graph
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        return _compat.aot_autograd_backend(compiler("forward"), compiler("backward"))(gm, example_inputs)
+
+    return backend

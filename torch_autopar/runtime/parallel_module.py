@@ -109,7 +109,7 @@ class ParallelModule(torch.nn.Module):
             self._broadcast_buffers()
         mode = self.mode or get_mode()
         if self._sharded is not None:
-            output = self._sharded.run(args, kwargs, mode, backends.autopar_backend)
+            output = self._sharded.run(args, kwargs, mode, backends.sharded_backend(self.stats))
         else:
             output = self._run_graph(args, kwargs) if mode == "graph" else self._run_eager(args, kwargs)
         if self.full_batch and split:

@@ -1,0 +1,257 @@
+"""Measured speed on real ranks: autopar's plans against PyTorch's own wrappers, side by side in one run.
+
+    python bench/bench_speed.py            # 2 and 4 gloo ranks; writes bench/results/speed.json
+    python bench/bench_speed.py --quick    # fewer steps, 2 ranks only, no ResNet-50
+
+Per workload and world size, every variant trains the same model on the same global batch, alternating in
+rounds (order rotating), each step after a barrier and counted as its slowest rank's time; medians over
+>= 20 timed steps after warm-up. Variants:
+  ddp                DistributedDataParallel, each rank its slice of the batch
+  fsdp2              torch.distributed.fsdp.fully_shard per layer + root, each rank its slice
+  tp_hand            parallelize_module: column- then row-parallel MLP layers, the whole batch on every rank
+  autopar_auto       autopar.compile(strategy="auto") (its chosen plan), each rank its slice
+  autopar_fully_shard, autopar_tensor_parallel   the named strategies
+  autopar_tp_hand    autopar.compile(strategy=<the tp_hand layout as a Plan>): same layout as tp_hand
+Memory per rank: the local bytes of parameters, gradients and optimizer state (DTensor shards counted as
+held), and the process's peak RSS at the end. Bytes communicated per rank per step: counted with
+``CollectiveCounter`` on one untimed step; for autopar also the plan's prediction. Must never change what it
+measures: every variant runs its library's defaults apart from the mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import torch_autopar as autopar  # noqa: E402
+from torch_autopar.runtime.comm_count import CollectiveCounter  # noqa: E402
+from torch_autopar.testing import run_on_ranks  # noqa: E402
+from torch_autopar.testing.models import GPT, MLP, GPTConfig, gpt_loss  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "speed.json")
+VARIANTS = ("ddp", "fsdp2", "tp_hand", "autopar_auto", "autopar_fully_shard", "autopar_tensor_parallel",
+            "autopar_tp_hand")
+PAIRS = (("autopar_auto", "ddp"), ("autopar_auto", "fsdp2"), ("autopar_auto", "tp_hand"),
+         ("autopar_fully_shard", "fsdp2"), ("autopar_tp_hand", "tp_hand"), ("autopar_tensor_parallel", "tp_hand"))
+
+
+# workloads --------------------------------------------------------------------------------------------------
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=256))
+
+
+def _mlp(width):
+    def build():
+        torch.manual_seed(0)
+        return MLP((width,) * 5)
+    return build
+
+
+WORKLOADS = {
+    # name: (build, global batch (inputs, targets), loss, layers for FSDP2, MLP layer pairs for TP)
+    "gpt_256": (_gpt, lambda g: _tokens(g, 16, 64, 512), gpt_loss),
+    "mlp_wide_small_batch": (_mlp(2048), lambda g: (torch.randn(8, 2048, generator=g), torch.randn(8, 2048, generator=g)), F.mse_loss),
+    "mlp_narrow_large_batch": (_mlp(512), lambda g: (torch.randn(1024, 512, generator=g), torch.randn(1024, 512, generator=g)), F.mse_loss),
+}
+"""mlp_wide_small_batch is the communication-bound one (4 x 2048x2048 layers, 8 samples): data parallelism
+moves 64 MiB of gradients per step, tensor parallelism a few activations."""
+
+
+def _tokens(generator, batch, seq, vocab):
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _tp_layers(model) -> dict[str, str]:
+    """The hand tensor-parallel layout: (column, row) pairs of linear layers."""
+    if isinstance(model, GPT):
+        return {f"blocks.{i}.{n}": kind for i in range(len(model.blocks)) for n, kind in (("fc", "col"), ("out", "row"))}
+    return {f"layers.{i}": ("col" if i % 2 == 0 else "row") for i in range(len(model.layers) - len(model.layers) % 2)}
+
+
+def _hand_plan(model, global_x, world):
+    """The tp_hand layout as an autopar Plan: column weights/biases S(0), row weights S(1), rest replicated."""
+    plan = autopar.plan(model, (global_x,), mesh_shape=(world,), strategy="data_parallel", hardware="cpu-gloo")
+    layers = _tp_layers(model)
+    for name in plan.param_placements:
+        owner, leaf = name.rsplit(".", 1)
+        kind = layers.get(owner)
+        plan.param_placements[name] = (("S(0)",) if kind == "col" else ("S(1)",) if kind == "row" and leaf == "weight"
+                                       else ("R",))
+    plan.input_placements = {0: ("R",)}
+    plan.strategy = "tp_hand (Plan)"
+    return plan
+
+
+# variants ---------------------------------------------------------------------------------------------------
+def make_variant(name, workload, rank, world, global_x):
+    """(network, optimizer, feeds_whole_batch)."""
+    build = WORKLOADS[workload][0]
+    model = build()
+    local_x = global_x.chunk(world)[rank]
+    whole = False
+    if name == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    elif name == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in (model.blocks if isinstance(model, GPT) else model.layers):
+            fully_shard(block)
+        net = fully_shard(model)
+    elif name == "tp_hand":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world,))
+        styles = {k: ColwiseParallel() if v == "col" else RowwiseParallel() for k, v in _tp_layers(model).items()}
+        net, whole = parallelize_module(model, mesh, styles), True
+    elif name == "autopar_tp_hand":
+        net = autopar.compile(model, local_x, strategy=_hand_plan(build(), global_x, world), mode="eager")
+    else:
+        net = autopar.compile(model, local_x, strategy=name.removeprefix("autopar_"), mode="eager")
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-4), whole
+
+
+def _step(variant, loss_fn, batch, rank, world):
+    net, optimizer, whole = variant
+    x, y = batch
+    if not whole:
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    loss = loss_fn(net(x), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def _local_bytes(tensor) -> int:
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+
+
+def state_bytes(variant) -> int:
+    net, optimizer, _ = variant
+    total = sum(_local_bytes(p) + _local_bytes(p.grad) for p in net.parameters())
+    for state in optimizer.state.values():
+        total += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+    return total
+
+
+def counted_bytes(variant, loss_fn, batch, rank, world) -> int:
+    net = variant[0]
+    with CollectiveCounter(getattr(net, "mesh", None)) as counter:
+        _step(variant, loss_fn, batch, rank, world)
+    return sum(r.nbytes for r in counter.records)
+
+
+def worker(rank, world, options):
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    out = {}
+    for workload in options["workloads"]:
+        loss_fn = WORKLOADS[workload][2]
+        batch = WORKLOADS[workload][1](torch.Generator().manual_seed(7))
+        variants = {name: make_variant(name, workload, rank, world, batch[0]) for name in options["variants"]}
+        for variant in variants.values():
+            for _ in range(options["warmup"]):
+                _step(variant, loss_fn, batch, rank, world)
+        comm = {name: counted_bytes(v, loss_fn, batch, rank, world) for name, v in variants.items()}
+        times = {name: [] for name in variants}
+        names = list(variants)
+        for round_index in range(options["rounds"]):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                for _ in range(options["steps_per_round"]):
+                    dist.barrier()
+                    started = time.perf_counter()
+                    _step(variants[name], loss_fn, batch, rank, world)
+                    elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    times[name].append(float(elapsed))
+        plans = {name: {"strategy": v[0].plan.strategy, "candidate": v[0].plan.search_stats.get("candidate"),
+                        "predicted_comm_bytes": v[0].plan.comm_bytes(),
+                        "estimated_step_ms": v[0].plan.estimated_step_time * 1e3,
+                        "sharded": getattr(v[0], "mesh", None) is not None}
+                 for name, v in variants.items() if hasattr(v[0], "plan")}
+        out[workload] = {"step_s": times, "comm_bytes_counted": comm, "state_bytes": {n: state_bytes(v) for n, v in variants.items()},
+                         "plans": plans}
+    out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def summarise(results: list, world: int) -> dict:
+    first = results[0]
+    summary = {}
+    for workload, data in first.items():
+        if workload == "max_rss_bytes":
+            continue
+        medians = {n: statistics.median(v) for n, v in data["step_s"].items()}
+        summary[workload] = {
+            "median_ms": {n: m * 1e3 for n, m in medians.items()},
+            "steps_timed": {n: len(v) for n, v in data["step_s"].items()},
+            "ratios": {f"{a}/{b}": medians[a] / medians[b] for a, b in PAIRS if a in medians and b in medians},
+            "state_mib_per_rank": {n: max(r[workload]["state_bytes"][n] for r in results) / 2**20 for n in medians},
+            "comm_mib_per_rank_counted": {n: data["comm_bytes_counted"][n] / 2**20 for n in medians},
+            "plans": data["plans"],
+        }
+    summary["max_rss_mib"] = [r["max_rss_bytes"] / 2**20 for r in results]
+    return summary
+
+
+def table(world: int, summary: dict) -> str:
+    lines = [f"\n== {world} gloo ranks: median step ms (state MiB/rank, counted comm MiB/rank/step)"]
+    for workload, data in summary.items():
+        if workload == "max_rss_mib":
+            continue
+        lines.append(f"{workload}:")
+        for name, ms in data["median_ms"].items():
+            plan = data["plans"].get(name)
+            chosen = f"  plan={plan['candidate'] or plan['strategy']} est={plan['estimated_step_ms']:.1f}ms " \
+                     f"pred_comm={plan['predicted_comm_bytes'] / 2**20:.2f}MiB" if plan else ""
+            lines.append(f"  {name:26s} {ms:9.2f} ms  state {data['state_mib_per_rank'][name]:8.2f}  comm "
+                         f"{data['comm_mib_per_rank_counted'][name]:8.2f}{chosen}")
+        lines.append("  ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in data["ratios"].items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worlds", default=None, help="comma-separated world sizes (default 2,4; quick: 2)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    args = parser.parse_args()
+    worlds = [int(w) for w in (args.worlds or ("2" if args.quick else "2,4")).split(",")]
+    options = {"workloads": args.workloads.split(","), "variants": list(VARIANTS), "warmup": 2 if args.quick else 3,
+               "rounds": 2 if args.quick else 4, "steps_per_round": 5 if args.quick else 5}
+    started = time.perf_counter()
+    report = {"command": "python bench/bench_speed.py" + (" --quick" if args.quick else ""),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "options": options, "worlds": {}}
+    for world in worlds:
+        results = run_on_ranks(worker, world, options, timeout_s=1500)
+        report["worlds"][str(world)] = summarise(results, world)
+        print(table(world, report["worlds"][str(world)]), flush=True)
+    report["wall_s"] = time.perf_counter() - started
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as handle:
+        json.dump(report, handle, indent=1)
+    print(f"\nwrote {RESULTS} ({report['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
