@@ -1,13 +1,13 @@
 """One-process overhead: torch_autopar's stand-alone module against the plain model and torch.compile.
 
-    python bench/bench_overhead.py            # ~1.5 min on 2 CPU cores; writes bench/results/overhead.json
-    python bench/bench_overhead.py --quick    # ~40 s: 4 rounds x 5 steps
+    python bench/bench_overhead.py            # ~1 min on 2 CPU cores; writes bench/results/overhead.json
+    python bench/bench_overhead.py --quick    # ~30 s: 4 rounds x 5 steps (20 timed steps per variant)
 
 One process, no process group (world size 1, so autopar plans ``stand_alone``). Four variants of the same model
 (own copy each, same seed, same data): the plain ``nn.Module`` in eager mode; ``autopar.compile(model,
 mode="eager")``; ``autopar.compile(model, mode="graph")``; ``torch.compile(model, backend="autopar")`` (the
 backend on its own, without autopar's module). Time of one training step (forward + backward + AdamW step),
-warm-up first (graph variants compile there), then the variants alternate in rounds with the order rotating
+warm-up first (graph variants compile there), then the variants alternate in rounds (10 x 5 steps) with the order rotating
 each round (the timing helpers of bench_dp.py). Reported: median wall time over all timed steps, p10/p90,
 median CPU time, page faults, and ratios of medians (CPU-time ratios in brackets). After timing, every
 variant's parameters are compared with the plain model's (they took the same steps on the same data): a
@@ -29,7 +29,7 @@ import time
 import torch
 
 import torch_autopar as autopar
-from bench_dp import WORKLOADS, alternate, make_variant, quiet, summarise, table
+from bench_dp import WORKLOADS, alternate, make_variant, quiet, summarise
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json")
 VARIANTS = ("plain", "autopar_eager", "autopar_graph", "torch_compile_autopar")
@@ -71,11 +71,28 @@ def measure(workloads, options: dict) -> dict:
     return out
 
 
+def table(summary: dict) -> str:
+    """Per workload and variant: median, p10-p90 and CPU ms, page faults, ratio to plain (CPU-time ratio)."""
+    lines = ["one process, time of one step (forward + backward + AdamW), median over all timed steps",
+             f"{'workload':<11} {'variant':<22} {'median':>9} {'p10-p90':>15} {'CPU':>9} {'faults':>7}  vs plain"]
+    for workload, s in summary.items():
+        for name in VARIANTS:
+            ratio = f"{name}/plain"
+            versus = f"{s['ratios'][ratio]:.3f} ({s['cpu_ratios'][ratio]:.3f})" if ratio in s["ratios"] else "1"
+            low, high = s["p10_p90_ms"][name]
+            spread = f"{low:.1f}-{high:.1f} ms"
+            lines.append(f"{workload:<11} {name:<22} {s['median_ms'][name]:>6.1f} ms {spread:>15} "
+                         f"{s['median_cpu_ms'][name]:>6.1f} ms {s['median_page_faults'][name]:>7.0f}  {versus}")
+        ratio = "autopar_graph/torch_compile_autopar"
+        lines.append(f"{'':<11} {ratio}: {s['ratios'][ratio]:.3f} ({s['cpu_ratios'][ratio]:.3f})")
+    return "\n".join(lines)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 rounds x 5 steps, 3 warm-up steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant (graph modes compile here)")
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps-per-round", type=int, default=5, help="timed steps per variant per round")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier timings)")
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS),
@@ -99,8 +116,7 @@ def main() -> None:
                "threads": args.threads, "workloads": names}
     started, load_before = time.perf_counter(), os.getloadavg()
     summary = summarise(measure([w for w in WORKLOADS if w.name in names], options), list(RATIOS))
-    print(table("one process, median step time (forward+backward+AdamW)", summary, VARIANTS,
-                [f"{a}/{b}" for a, b in RATIOS]))
+    print(table(summary))
     for name, s in summary.items():
         print(f"  {name}: max |param - plain's| after the same steps: "
               + ", ".join(f"{k} {v:.2g}" for k, v in s["divergence_from_plain"].items()))
