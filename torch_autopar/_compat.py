@@ -330,3 +330,34 @@ def fix_inplace_redistribution() -> None:
             return out
 
         dispatcher._custom_op_handlers[op] = handler
+
+
+def prefer_early_partial_reduction() -> None:
+    """Make DTensor's per-op choice price turning a value that is not a partial sum into one (free by itself)
+    at 1.5 times the all-reduce that partial sum will need later. Without it, ``partial + replicated`` keeps
+    the sum partial (the replicated operand is "converted" for free) and the reduction is paid again by every
+    later consumer: a transformer's residual stream stays partial and each layer norm all-reduces it. With it,
+    the partial sum is reduced once where it is made, as Megatron-style tensor parallelism does. Only changes
+    which layout DTensor picks (never a value); the planner's propagation runs the same rule, so plans still
+    list exactly the collectives that run. Idempotent; process-wide."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    original = ops_utils.redistribute_cost
+    if getattr(original, "_autopar_partial_penalty", False):
+        return
+
+    def redistribute_cost(current, target):
+        cost = original(current, target)
+        if cost == float("inf"):
+            return cost
+        for axis, (have, want) in enumerate(zip(current.placements, target.placements)):
+            if want.is_partial() and not have.is_partial():
+                reduced = list(target.placements)
+                reduced[axis] = Replicate()
+                later = original(target, DTensorSpec(target.mesh, tuple(reduced), target.tensor_meta))
+                cost += 1.5 * later if later != float("inf") else 0.0
+        return cost
+
+    redistribute_cost._autopar_partial_penalty = True
+    ops_utils.redistribute_cost = redistribute_cost

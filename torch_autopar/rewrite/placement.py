@@ -58,6 +58,7 @@ def distribute_parameters(module: torch.nn.Module, mesh: DeviceMesh, plan: Plan)
     _compat.allow_implicit_replication()
     _compat.fix_convolution_redistribution()
     _compat.fix_inplace_redistribution()
+    _compat.prefer_early_partial_reduction()
     placed: dict[int, torch.nn.Parameter] = {}
     for owner_name, owner in module.named_modules():
         for name, param in list(owner.named_parameters(recurse=False)):

@@ -142,5 +142,7 @@ class _Propagator:
 
 
 def propagate(program: CapturedProgram, mesh: DeviceMesh, seeds: dict) -> Sharding:
-    """Placements for every node of ``program`` given ``seeds`` (node → placements per mesh axis)."""
+    """Placements for every node of ``program`` given ``seeds`` (node → placements per mesh axis), chosen as
+    the sharded runtime's DTensor chooses them (``_compat.prefer_early_partial_reduction`` included)."""
+    _compat.prefer_early_partial_reduction()
     return _Propagator(program, mesh, seeds).run()
