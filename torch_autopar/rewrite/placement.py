@@ -7,6 +7,8 @@ propagated, so the collectives that run are the ones the plan lists). The steps,
   distribute_parameters  requires: the module's parameters equal on every rank or not (rank 0's win)
                          ensures:  each parameter is a DTensor with the plan's placements, whose full value is
                                    rank 0's parameter; buffers are replicated DTensors
+  gathered_parameters    ensures:  parameters sharded over a batch axis are all-gathered for the forward (their
+                                   gradients flow back through the gather: reduce-scattered)
   inputs_to_global       requires: each rank passes its own slice of the global batch (dim 0)
                          ensures:  DTensors in the plan's input layout (collectives only where that differs)
   outputs_to_local       ensures:  each rank gets the rows of the outputs that match its input slice; the
@@ -71,6 +73,31 @@ def distribute_parameters(module: torch.nn.Module, mesh: DeviceMesh, plan: Plan)
             if buffer is not None and not isinstance(buffer, DTensor):
                 persistent = _compat.is_persistent_buffer(owner, name)
                 owner.register_buffer(name, distribute_tensor(buffer, mesh, replicated(mesh)), persistent=persistent)
+
+
+def compute_placements(storage: tuple, batch_axes: set[int]) -> tuple:
+    """Where a parameter is used: on the axes the batch is split over, a sharded parameter is gathered first
+    (fully-sharded data parallelism: the batch slices need the whole parameter); elsewhere it computes
+    sharded (tensor parallelism)."""
+    return tuple(Replicate() if axis in batch_axes and p.is_shard() else p for axis, p in enumerate(storage))
+
+
+def batch_axes(plan: Plan) -> set[int]:
+    """Mesh axes over which the plan splits the batch (first input's dim 0)."""
+    first = plan.input_placements.get(0) or next(iter(plan.input_placements.values()), ())
+    return {axis for axis, p in enumerate(parse_placements(first)) if p == Shard(0)}
+
+
+def gathered_parameters(module: torch.nn.Module, plan: Plan) -> dict[str, tuple]:
+    """Parameter name → compute placements, for the parameters that must be gathered before the forward."""
+    axes = batch_axes(plan)
+    gathered = {}
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            wanted = compute_placements(tuple(param.placements), axes)
+            if wanted != tuple(param.placements):
+                gathered[name] = wanted
+    return gathered
 
 
 def global_batch_size(args, kwargs, world_size: int) -> int | None:

@@ -61,6 +61,7 @@ class ShardedRunner:
         placement.distribute_parameters(module, self.mesh, plan)
         _remember_replacements(before, module)
         self.gradients = placement.GradientPlacement(module)
+        self.gathered = placement.gathered_parameters(module, plan)
         self._compiled = None
 
     @property
@@ -71,7 +72,12 @@ class ShardedRunner:
         """One call on this rank's slice: global DTensor inputs → the user's forward → this rank's outputs."""
         batch = placement.global_batch_size(args, kwargs, self.world_size)
         global_args, global_kwargs = placement.inputs_to_global(args, kwargs, self.mesh, self.plan.input_placements)
-        output = self.module(*global_args, **global_kwargs)
+        if self.gathered:  # the whole parameters for this forward, gathered once (the module's own stay sharded)
+            params = dict(self.module.named_parameters())
+            whole = {name: params[name].redistribute(self.mesh, wanted) for name, wanted in self.gathered.items()}
+            output = torch.func.functional_call(self.module, whole, global_args, global_kwargs, strict=False)
+        else:
+            output = self.module(*global_args, **global_kwargs)
         return placement.outputs_to_local(output, self.mesh, batch)
 
     def run(self, args, kwargs, mode: str, backend):

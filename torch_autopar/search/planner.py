@@ -301,12 +301,18 @@ class Planner:
         arrival, replicate = tuple(Shard(0) for _ in range(self.mesh.ndim)), tuple(Replicate() for _ in range(self.mesh.ndim))
         program = self.program
         params = {name: parse_placements(plan.param_placements[name]) for name in program.param_nodes}
-        seeds = {program.param_nodes[name]: placements for name, placements in params.items()}
+        first_input = parse_placements(plan.input_placements.get(0) or next(iter(plan.input_placements.values()), ()))
+        batch_axes = {axis for axis, p in enumerate(first_input) if p == Shard(0)}
+        computed = {name: tuple(Replicate() if axis in batch_axes and p.is_shard() else p for axis, p in enumerate(pl))
+                    for name, pl in params.items()}  # as rewrite.placement.compute_placements: FSDP gathers
+        seeds = {program.param_nodes[name]: placements for name, placements in computed.items()}
         for index, node in program.input_nodes.items():
             batch = node.meta["val"].ndim >= 1
             wanted = plan.input_placements.get(index)
             seeds[node] = parse_placements(wanted) if wanted else (arrival if batch else replicate)
         sharding = propagate(program, self.mesh, seeds)
+        for name, node in program.param_nodes.items():  # the gathers of the forward, once per step
+            self._note_move(sharding, node, params[name], computed[name], False)
         for node in program.input_nodes.values():
             self._note_move(sharding, node, arrival if node.meta["val"].ndim >= 1 else replicate, seeds[node], False)
         for output in program.output_nodes.values():
@@ -322,6 +328,7 @@ class Planner:
             if spec is not None and hasattr(spec, "placements") and name in program.buffer_nodes:
                 self._note_move(sharding, update, spec.placements, replicate, False)
         result = self._plan(plan.strategy, sharding, params, bucket_cap_bytes=0)
+        self._storage_memory(result, params, computed)
         result.collectives.append(PlannedCollective(
             kind="all_reduce", axis=ALL_AXES_SEPARATOR.join(self.axis_names), nbytes=BATCH_CHECK_BYTES,
             phase="forward", where="batch size check", seconds=self.cost.collective_time("all_reduce", 0, 16)))
@@ -331,6 +338,18 @@ class Planner:
             f"executed as DTensor places each op: estimated {result.estimated_step_time * 1e3:.3f} ms per step "
             f"(the search's own layout: {plan.estimated_step_time * 1e3:.3f} ms)"]
         return result
+
+    def _storage_memory(self, plan: Plan, storage: dict, computed: dict) -> None:
+        """Parameters, gradients and optimizer state are held in the storage layout; parameters gathered for
+        the forward are kept (by autograd, for backward) until the step ends."""
+        local = lambda name, placements: self.program.params[name].nbytes // self.cost.shard_factor(placements)  # noqa: E731
+        held = sum(local(n, p) for n, p in storage.items())
+        gathered = sum(local(n, computed[n]) - local(n, p) for n, p in storage.items())
+        buffers = plan.memory_breakdown.get("parameters", 0) - sum(local(n, computed[n]) for n in storage)
+        plan.memory_breakdown = {"parameters": held + max(buffers, 0), "gathered_parameters": gathered,
+                                 "gradients": held, "optimizer": est.ADAM_STATE_PER_PARAM * held,
+                                 "activations": plan.memory_breakdown.get("activations", 0)}
+        plan.peak_memory = sum(plan.memory_breakdown.values())
 
     @staticmethod
     def _note_move(sharding, node, source, target, backward: bool) -> None:
