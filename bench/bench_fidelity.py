@@ -1,6 +1,6 @@
 """Cost-model fidelity: the planner's predicted step time (from a measured profile) against the measured one.
 
-    python bench/bench_fidelity.py            # ~3-4 min on 2 CPU cores; writes bench/results/fidelity.json
+    python bench/bench_fidelity.py            # 2-3 min on 2 busy CPU cores; writes bench/results/fidelity.json
     python bench/bench_fidelity.py --quick    # < 1 min: 12 of the 16 configurations, 6 timed steps each
 
 For each (model, strategy, ranks) configuration: ``autopar.profile()`` is measured once per job (every rank of
@@ -16,6 +16,13 @@ configurations of a job alternate in rounds (the order rotating each round) so t
 speed falls on all of them alike; each step counts as its slower rank's time; the median over the timed steps
 is reported, with the median CPU time of the process per step (wall >> CPU means waiting for the core or for
 the other rank). Targets of issue 5: Spearman rank correlation >= 0.8, median |relative error| <= 25%.
+
+After the timing, diagnostics that explain the errors (none of them changes the reported numbers): aten ops per
+step (plain, views, DTensor); a few steps under ``torch.profiler`` (time in matmuls and the GFLOP/s they
+reached against the profile's, in collectives, in other ops, outside ops); steps alternating with and without
+``torch.set_flush_denormal(True)`` (subnormal floats); the per-op cost of tiny ops with autograd and on
+DTensors; ``autopar.profile()`` again, to show how much the profile itself moves. ``findings`` in the output
+and the JSON states the causes in this run's numbers.
 """
 
 from __future__ import annotations
@@ -434,18 +441,16 @@ def findings(rows: list[dict], jobs: dict, load: tuple) -> list[str]:
     gpt = [r for r in rows if r["config"]["kind"] == "gpt"]
     control = [r["denormal_check"]["slowdown"] for r in rows if r["config"]["kind"] != "gpt"]
     if gpt:
+        slowdowns = ", ".join(f"{r['config']['name']} {r['denormal_check']['slowdown']:.2f}x" for r in gpt)
+        noise = (f"; the MLPs, whose MSE gradients are normal floats, give {min(control):.2f}-{max(control):.2f}x: "
+                 "the noise of this check" if control else "")
+        flushed = ", ".join(f"{r['denormal_check']['relative_error_vs_flushed'] * 100:+.0f}%" for r in gpt)
         notes.append(
-            "subnormal floats: the GPT steps are " + ", ".join(
-                f"{r['config']['name']} {r['denormal_check']['slowdown']:.2f}x" for r in gpt)
-            + " slower than with torch.set_flush_denormal(True) (alternating steps; the MLPs, whose MSE gradients "
-            f"are normal floats, give {min(control):.2f}-{max(control):.2f}x: the noise of this check). "
-            if control else " slower than with torch.set_flush_denormal(True) (alternating steps). ")
-        notes[-1] += (
-            "The untrained GPT's tied N(0, 1) embeddings give logits of std ~14, so ~40% of the cross-entropy "
-            "gradient is subnormal and the backward matmuls slow down; a roofline cannot see this. Against the "
-            "flushed step the errors of the GPT configs would be " + ", ".join(
-                f"{r['denormal_check']['relative_error_vs_flushed'] * 100:+.0f}%" for r in gpt)
-            + " (diagnostic; the table keeps the models as they are).")
+            f"subnormal floats: the GPT steps are {slowdowns} slower than with torch.set_flush_denormal(True) "
+            f"(alternating steps{noise}). The untrained GPT's tied N(0, 1) embeddings give logits of std ~14, so "
+            "~40% of the cross-entropy gradient is subnormal and the backward matmuls slow down; a roofline cannot "
+            f"see this. Against the flushed step the errors of the GPT configs would be {flushed} (diagnostic; the "
+            "table keeps the models as they are).")
     sharded = [r for r in rows if r["ops_per_step"]["dtensor"]]
     if sharded:
         costs = jobs[sharded[0]["config"]["ranks"]]["per_op_overhead"]
