@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -484,6 +485,20 @@ def findings(rows: list[dict], jobs: dict, load: tuple) -> list[str]:
     return notes
 
 
+def git_state() -> dict:
+    """The commit measured and the library files that differed from it (others may edit the tree meanwhile)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.rstrip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"head": git("rev-parse", "HEAD"),
+            "uncommitted_library_files": git("status", "--porcelain", "torch_autopar").splitlines()}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -510,6 +525,7 @@ def main() -> None:
     configs = [c for c in CONFIGS if (c.quick or not args.quick)
                and (args.configs is None or any(s in c.name for s in args.configs.split(",")))]
     started, load_before = time.perf_counter(), os.getloadavg()
+    start_date, tree = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), git_state()
     jobs, per_rank = {}, {}
     for ranks in sorted({c.ranks for c in configs}):
         subset = [c for c in configs if c.ranks == ranks]
@@ -556,7 +572,8 @@ def main() -> None:
     report = {
         "benchmark": "bench/bench_fidelity.py",
         "command": " ".join(["python"] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": start_date,
+        "git": tree,
         "torch": torch.__version__, "torch_autopar": autopar.__version__, "python": platform.python_version(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads_per_rank": 1,
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
