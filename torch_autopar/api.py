@@ -18,7 +18,7 @@ from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import get_profile
 from torch_autopar.errors import AutoparError
 from torch_autopar.runtime import ParallelModule
-from torch_autopar.runtime.modes import MODES
+from torch_autopar.runtime.modes import MODES, get_mode
 from torch_autopar.search import Plan, build_plan, check_strategy
 from torch_autopar.search.planner import Planner, plan_from_parameters
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES
@@ -43,7 +43,7 @@ def _global_batch(args, kwargs) -> int | None:
 
 
 def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes,
-                  executable: bool, solver: str = "auto", fold_layers: bool = False):
+                  executable: bool, solver: str = "auto", fold_layers: bool = False, mode: str = "eager"):
     started = time.perf_counter()
     fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, batch_factor)
     with folded_layers(module, enabled=fold_layers) as folding:
@@ -53,7 +53,7 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
     result = build_plan(program, mesh, names, strategy=strategy, hardware=get_profile(hardware),
                         memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
                         global_batch=_global_batch(fake_args, fake_kwargs), executable=executable, solver=solver,
-                        folding=folding)
+                        folding=folding, mode=mode)
     result.search_stats.update({"capture_s": captured - started, "total_s": time.perf_counter() - started})
     return result
 
@@ -83,8 +83,8 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
 class _Planner:
     """Plans a module for this job's ranks from the inputs of one call (this rank's slice)."""
 
-    def __init__(self, mesh, strategy, hardware, memory_budget, full_batch, bucket_cap_bytes):
-        self.mesh, self.strategy, self.hardware = mesh, strategy, hardware
+    def __init__(self, mesh, strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode=None):
+        self.mesh, self.strategy, self.hardware, self.mode = mesh, strategy, hardware, mode
         self.memory_budget, self.full_batch, self.bucket_cap_bytes = memory_budget, full_batch, bucket_cap_bytes
 
     def __call__(self, module, args, kwargs) -> Plan:
@@ -113,7 +113,7 @@ class _Planner:
         program = capture(module, fake_args, fake_kwargs)
         hardware = plan.hardware if plan.hardware != "unknown" else (self.hardware or "cpu-gloo")
         planner = Planner(program, mesh, plan.axis_names, hardware=get_profile(hardware),
-                          global_batch=_global_batch(fake_args, fake_kwargs))
+                          global_batch=_global_batch(fake_args, fake_kwargs), mode=self._mode())
         return planner.executed(plan)
 
     def _plan_with_graph(self, module, args, kwargs, world, factor) -> Plan:
@@ -125,7 +125,11 @@ class _Planner:
     def _plan(self, module, args, kwargs, mesh, factor) -> Plan:
         return _plan_on_mesh(module, args, kwargs, mesh, batch_factor=factor, strategy=self.strategy,
                              hardware=self.hardware or "cpu-gloo", memory_budget=self.memory_budget,
-                             bucket_cap_bytes=self.bucket_cap_bytes, executable=True)
+                             bucket_cap_bytes=self.bucket_cap_bytes, executable=True, mode=self._mode())
+
+    def _mode(self) -> str:
+        """The mode the module will run in (its own, else the global one at planning time)."""
+        return self.mode or get_mode()
 
 
 def _check_options(strategy, mode, mesh) -> None:
@@ -155,7 +159,7 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     _check_options(strategy, mode, mesh)
     if isinstance(mesh, int):
         options["mesh"] = (mesh,)
-    planner = _Planner(options["mesh"], strategy, hardware, memory_budget, full_batch, bucket_cap_bytes)
+    planner = _Planner(options["mesh"], strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode)
     parallel = ParallelModule(model, planner=planner, mode=mode, full_batch=full_batch)
     if example_inputs is not None or example_kwargs:
         parallel.prepare(_as_tuple(example_inputs), dict(example_kwargs or {}))

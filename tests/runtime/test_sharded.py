@@ -30,11 +30,11 @@ MODES = ("eager", "graph")
 OPTIMIZER_OF = {"mlp": "adamw", "gpt": "adamw", "cnn": "sgd", "uneven": "adamw"}
 LAYOUTS = {
     # (world, mesh): strategies
-    (2, (2,)): ("fully_shard", "tensor_parallel", "auto", "data_parallel"),
+    (2, (2,)): ("fully_shard", "tensor_parallel", "auto", "data_parallel", "megatron"),
     (4, (4,)): ("fully_shard", "tensor_parallel"),
     (4, (2, 2)): ("megatron", "fsdp_tp"),
 }
-"""On the 2 x 2 mesh (dp x tp) "megatron" is a hand-written Plan (column- then row-parallel linear layers on
+""""megatron" is a hand-written Plan (column- then row-parallel linear layers on
 tp, replicated on dp), passed to compile as ``strategy=``: the search's own "tensor_parallel" rightly keeps
 these small models replicated on tp, which would not exercise 2-D execution."""
 SGD_CASES = {(2, (2,), "gpt", "tensor_parallel"), (2, (2,), "mlp", "fully_shard"), (4, (2, 2), "mlp", "fsdp_tp")}
@@ -112,20 +112,18 @@ def _run_case(rank, world, mesh, model_name, strategy, mode, optimizer_name):
 
 
 def _megatron_plan(model, global_x, mesh):
-    """A hand plan: first linear of each MLP block column-parallel on tp (weight and bias S(0)), second
-    row-parallel (weight S(1), bias replicated), everything else replicated; the batch split on dp."""
+    """A hand plan: first linear of each MLP block column-parallel on the last mesh axis (weight and bias
+    S(0)), second row-parallel (weight S(1), bias replicated), everything else replicated; on a 2-D mesh the
+    batch is split over the first axis, on a 1-D mesh every rank computes the whole batch."""
     plan = autopar.plan(model, (global_x,), mesh_shape=mesh, strategy="data_parallel", hardware="cpu-gloo")
     column = ("layers.0.", "fc.")
     row = ("layers.1.weight", "out.weight")
+    lead = ("R",) * (len(mesh) - 1)
     for name in plan.param_placements:
         tail = name.split("blocks.")[-1].split(".", 1)[-1] if "blocks." in name else name
-        if tail.startswith(column):
-            plan.param_placements[name] = ("R", "S(0)")
-        elif tail in row:
-            plan.param_placements[name] = ("R", "S(1)")
-        else:
-            plan.param_placements[name] = ("R", "R")
-    plan.input_placements = {0: ("S(0)", "R")}
+        plan.param_placements[name] = lead + (("S(0)",) if tail.startswith(column) else ("S(1)",) if tail in row
+                                              else ("R",))
+    plan.input_placements = {0: ("S(0)", "R") if len(mesh) == 2 else ("R",)}
     plan.strategy = "megatron (hand plan)"
     return plan
 

@@ -133,6 +133,24 @@ def measure_op_overhead(device: torch.device, repeats: int, ops: int = 200) -> f
     return _best_time(run, device, repeats) / ops
 
 
+def measure_dtensor_overhead(device: torch.device, repeats: int, ops: int = 200) -> float:
+    """Seconds DTensor adds per op: a small add on a DTensor (batch-sharded over all ranks) minus the same add
+    on a plain tensor. Needs a process group (0.0 without one)."""
+    if not dist.is_initialized():
+        return 0.0
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    plain = torch.ones(4 * dist.get_world_size(), 16, device=device)
+    sharded = distribute_tensor(plain, mesh, [Shard(0)])
+
+    def run(x):
+        return lambda: [x + x for _ in range(ops)]
+
+    return max(_best_time(run(sharded), device, repeats) - _best_time(run(plain), device, repeats), 0.0) / ops
+
+
 def _numel(nbytes: int, world: int) -> int:
     """fp32 elements of a buffer of about ``nbytes`` that splits evenly over ``world`` ranks."""
     return max(world, nbytes // 4 // world * world)
@@ -228,6 +246,8 @@ def profile(path=None, *, sizes=DEFAULT_SIZES, base=None, matmul_size: int | Non
     world = dist.get_world_size() if dist.is_initialized() else 1
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     flops, bandwidth, overhead = _measure_device(device, matmul_size, copy_bytes, repeats)
+    dtensor_overhead = float(_agree(torch.tensor([measure_dtensor_overhead(device, repeats)]), dist.ReduceOp.MAX,
+                                    device)[0]) if world > 1 else 0.0
     intra, inter = base_profile.intra_node, base_profile.inter_node
     source = "measured (compute only: one process, links from the base profile)"
     if world > 1:
@@ -242,6 +262,7 @@ def profile(path=None, *, sizes=DEFAULT_SIZES, base=None, matmul_size: int | Non
         memory_bytes=_memory_capacity(device, base_profile, local_world),
         devices_per_node=local_world if world > 1 else base_profile.devices_per_node,
         intra_node=intra, inter_node=inter, compute_efficiency=1.0, comm_efficiency=1.0, op_overhead_s=overhead,
+        dtensor_overhead_s=dtensor_overhead if world > 1 else base_profile.dtensor_overhead_s,
         source=f"{source}; base {base_profile.name}")
     if path is not None:
         _save(result, path)

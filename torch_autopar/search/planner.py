@@ -11,6 +11,7 @@ returns a plan slower than one of them. Must never run a collective.
 
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -31,6 +32,7 @@ from torch_autopar.search.problem import build_problem
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Redistribution, format_placements, parse_placements, propagate, seed_placements
 from torch_autopar.strategies.enumerate import enumerate_strategies
+from torch_autopar.strategies.propagate import tangent_placements
 from torch_autopar.strategies.roles import axis_roles, leaf_filter
 
 STRATEGIES = ("auto", "data_parallel", "stand_alone", "fully_shard", "tensor_parallel", "fsdp_tp")
@@ -130,7 +132,7 @@ class Planner:
     def __init__(self, program: CapturedProgram, mesh: DeviceMesh, axis_names, *, hardware: HardwareProfile,
                  memory_budget: int | None = None, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
                  global_batch: int | None = None, solver: str = "auto", time_limit_s: float = 60.0,
-                 folding=None):
+                 folding=None, mode: str = "eager"):
         self.program, self.mesh, self.axis_names = program, mesh, tuple(axis_names)
         self.cost = CostModel(hardware, tuple(mesh.shape), mesh)
         self.budget = memory_budget if memory_budget is not None else hardware.memory_bytes
@@ -138,6 +140,8 @@ class Planner:
         self.solver, self.time_limit_s = solver, time_limit_s
         self.folding = folding if folding is not None else Folding()
         self.weights = node_weights(program, self.folding)
+        self.mode = mode
+        """How compile will run a sharded plan: "eager" pays DTensor's per-op host overhead, "graph" does not."""
 
     # one candidate ----------------------------------------------------------------------------------------------
     def propagated(self, strategy: str) -> Plan:
@@ -322,13 +326,14 @@ class Planner:
             leaving = arrival if value.ndim >= 1 and value.shape[0] == self.global_batch else replicate
             self._note_move(sharding, output, spec.placements, leaving, False)
             if leaving == arrival:
-                self._note_move(sharding, output, leaving, spec.placements, True)
+                self._note_move(sharding, output, leaving, tangent_placements(spec.placements), True)
         for name, update in program.buffer_updates.items():  # new running statistics written back, replicated
             spec = sharding.specs.get(update)
             if spec is not None and hasattr(spec, "placements") and name in program.buffer_nodes:
                 self._note_move(sharding, update, spec.placements, replicate, False)
         result = self._plan(plan.strategy, sharding, params, bucket_cap_bytes=0)
         self._storage_memory(result, params, computed)
+        self._dispatch_overhead(result)
         result.collectives.append(PlannedCollective(
             kind="all_reduce", axis=ALL_AXES_SEPARATOR.join(self.axis_names), nbytes=BATCH_CHECK_BYTES,
             phase="forward", where="batch size check", seconds=self.cost.collective_time("all_reduce", 0, 16)))
@@ -338,6 +343,19 @@ class Planner:
             f"executed as DTensor places each op: estimated {result.estimated_step_time * 1e3:.3f} ms per step "
             f"(the search's own layout: {plan.estimated_step_time * 1e3:.3f} ms)"]
         return result
+
+    def _dispatch_overhead(self, plan: Plan) -> None:
+        """Eager sharded execution: every op of forward and backward goes through DTensor's dispatch."""
+        if self.mode == "graph":
+            return
+        ops = sum(self.weights.get(node, 1) for node in self.program.graph.graph.nodes
+                  if node.op == "call_function" and node.target is not operator.getitem)
+        seconds = ops * self.cost.hardware.dtensor_overhead_s
+        plan.compute_time += seconds
+        plan.estimated_step_time += seconds
+        plan.search_stats["dtensor_dispatch_s"] = seconds
+        plan.notes.append(f"eager mode: DTensor dispatch of {ops} ops adds {seconds * 1e3:.2f} ms per step "
+                          "(graph mode compiles it away)")
 
     def _storage_memory(self, plan: Plan, storage: dict, computed: dict) -> None:
         """Parameters, gradients and optimizer state are held in the storage layout; parameters gathered for
@@ -413,10 +431,11 @@ class Planner:
 def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strategy: str = "auto",
                hardware: HardwareProfile, memory_budget: int | None = None,
                bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, global_batch: int | None = None,
-               executable: bool = False, solver: str = "auto", folding=None) -> Plan:
+               executable: bool = False, solver: str = "auto", folding=None, mode: str = "eager") -> Plan:
     """The best plan for ``program`` on ``mesh`` among the candidates ``strategy`` allows."""
     planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
-                      bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver, folding=folding)
+                      bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver, folding=folding,
+                      mode=mode)
     return planner.plan(strategy, executable=executable)
 
 

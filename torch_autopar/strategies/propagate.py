@@ -79,7 +79,7 @@ class _Propagator:
         spec = self.result.specs[node]
         if spec is None and node in self.program.tangent_nodes:
             output = self.program.output_nodes[self.program.tangent_nodes[node]]
-            spec = _spec_for(self.mesh, node.meta["val"], self.result.specs[output].placements)
+            spec = _spec_for(self.mesh, node.meta["val"], tangent_placements(self.result.specs[output].placements))
             self.result.specs[node] = spec
         return spec
 
@@ -139,6 +139,12 @@ class _Propagator:
         self.result.redistributions.append(Redistribution(
             node=node.name, arg_index=index, source=tuple(have.placements), target=tuple(want),
             global_nbytes=_nbytes(value), backward=self.program.is_backward(node)))
+
+
+def tangent_placements(output_placements) -> tuple:
+    """The layout of an output's gradient: as the output's, except that the gradient of a partial sum is
+    replicated (what DTensor's backward of a redistribution hands back)."""
+    return tuple(Replicate() if p.is_partial() else p for p in output_placements)
 
 
 def propagate(program: CapturedProgram, mesh: DeviceMesh, seeds: dict) -> Sharding:
