@@ -38,9 +38,10 @@ class HardwareProfile:
     comm_efficiency: float = 0.8
     op_overhead_s: float = 5e-6
     """Fixed cost per kernel/op launch."""
-    dtensor_overhead_s: float = 20e-6
-    """Host time DTensor adds to each op of a sharded plan run in eager mode (sharding propagation and
-    wrapping; graph mode compiles it away). Measured here on CPU: 16-30 µs per op (``autopar.profile``)."""
+    dtensor_overhead_s: float = 25e-6
+    """Host time DTensor adds to each op (forward or backward) of a sharded plan run in eager mode (sharding
+    propagation and wrapping; graph mode compiles it away). Measured here on CPU with autograd: 20-30 µs per
+    op (``autopar.profile`` measures it)."""
     source: str = "datasheet"
 
     def peak_flops(self, dtype: str) -> float:

@@ -71,7 +71,8 @@ class CostModel:
     @property
     def has_all_to_all(self) -> bool:
         """Gloo has no all_to_all: DTensor all-gathers and keeps its chunk instead (same bytes out)."""
-        return not self.hardware.name.startswith("cpu")
+        name = self.hardware.name
+        return not (name.startswith("cpu") or "gloo" in name)
 
     def moves(self, source, target, global_nbytes: int) -> list[CollectiveCost]:
         """The collectives that run to move a tensor of ``global_nbytes`` from ``source`` to ``target``: the
