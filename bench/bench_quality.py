@@ -14,9 +14,13 @@ How planning is shared (the same stages `autopar.plan` runs, see api._plan_on_me
   * one capture per (model, number of devices): the program is the global-batch program, mesh-independent;
   * one `search.planner.Planner` per (mesh, hardware, budget); `auto` is planned first, from scratch, and
     timed; the baselines are then `Planner.plan(name)`, exactly `autopar.plan(strategy=name)` minus capture.
-    With `--baselines reuse` (default) a baseline whose computation `auto` already ran on the same Planner
-    (`Planner.searched(name)` / `Planner.propagated(name)`: deterministic, same inputs) is taken from that run
-    rather than solved twice; `--baselines independent` plans every baseline on a fresh Planner.
+    `auto` plans every named strategy itself (`Planner.searched(name)` / `Planner.propagated(name)`, the same
+    calls `plan(name)` makes); with `--baselines reuse` a baseline is that candidate, not solved twice. With
+    `--baselines independent` every baseline is planned again on a fresh Planner and compared with auto's
+    candidate. Default `checked`: independent on the first hardware and budget (h100, unlimited), reuse on
+    the others. Independent baselines are what catches auto planning a strategy differently from
+    `plan(strategy=name)`; they differ at all only where the MILP has tied optima (see bench/README.md).
+What HiGHS prints to stdout while planning is counted (`solver_messages`) rather than shown.
 Writes bench/results/quality.json, bench/results/search_time.json and bench/results/quality.png.
 Must never change torch_autopar's planner or its results: it only calls it and reads what it returns.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import math
@@ -32,6 +37,7 @@ import multiprocessing
 import os
 import platform
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -169,20 +175,46 @@ def _search_stats(planner: ReusingPlanner, auto_s: float, capture_s: float) -> d
 
 
 def plan_config(program, folding, mesh, names, global_batch, hardware, budget, capture_s, independent) -> dict:
-    """auto and every baseline for one (mesh, hardware, budget) on an already captured program."""
+    """auto and every baseline for one (mesh, hardware, budget) on an already captured program.
+
+    independent: plan each baseline on a fresh Planner (what ``autopar.plan(strategy=name)`` does) and compare
+    it with the candidate auto planned for the same name; otherwise the baseline is that candidate."""
     options = dict(hardware=get_profile(hardware), memory_budget=budget, global_batch=global_batch, folding=folding)
     planner = ReusingPlanner(program, mesh, names, **options)
     started = time.perf_counter()
     auto = _try_plan(planner, "auto")
     search = _search_stats(planner, time.perf_counter() - started, capture_s)
-    baselines = {}
-    for name in BASELINES:
-        if name == "fsdp_tp" and mesh.ndim < 2:
-            baselines[name] = {"status": "n/a", "error": "fsdp_tp needs a mesh of at least 2 axes"}
-            continue
-        source = Planner(program, mesh, names, **options) if independent else planner
-        baselines[name] = _try_plan(source, name)
-    return {"auto": auto, "baselines": baselines, "search": search}
+    candidates = {name: _try_plan(planner, name) for name in BASELINES if name != "fsdp_tp" or mesh.ndim >= 2}
+    baselines = {name: {"status": "n/a", "error": "fsdp_tp needs a mesh of at least 2 axes"} for name in BASELINES}
+    if not independent:
+        return {"auto": auto, "baselines": baselines | candidates, "search": search, "independent": False}
+    baselines |= {name: _try_plan(Planner(program, mesh, names, **options), name) for name in candidates}
+    mismatches = {name: {"auto_candidate": candidates[name].get("step_s", candidates[name]["status"]),
+                         "independent": baselines[name].get("step_s", baselines[name]["status"])}
+                  for name in candidates if _differs(candidates[name], baselines[name])}
+    return {"auto": auto, "baselines": baselines, "search": search, "independent": True,
+            "candidate_mismatches": mismatches}
+
+
+def _differs(one: dict, other: dict) -> bool:
+    return one["status"] != other["status"] or one.get("step_s") != other.get("step_s")
+
+
+@contextlib.contextmanager
+def native_stdout_counted(counter: list):
+    """Send what native code (HiGHS) prints to fd 1 to a file while planning; append its line count."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+") as sink:
+        os.dup2(sink.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+            sink.seek(0)
+            counter.append(sum(1 for line in sink if line.strip()))
 
 
 def verdict(auto: dict, baselines: dict) -> dict:
@@ -207,7 +239,7 @@ def verdict(auto: dict, baselines: dict) -> dict:
 
 def run_job(job: tuple) -> list[dict]:
     """One model on the meshes of one device count (one capture), every hardware and budget."""
-    name, meshes, hardware, budgets, independent = job
+    name, meshes, hardware, budgets, mode = job
     _quiet()
     torch.set_num_threads(1)
     workload, devices = WORKLOADS[name], math.prod(meshes[0])
@@ -223,13 +255,16 @@ def run_job(job: tuple) -> list[dict]:
             names = launch.default_axis_names(len(mesh_shape))
             for hw in hardware:
                 for label in budgets:
-                    config_started = time.perf_counter()
-                    result = plan_config(program, folding, mesh, names, int(fake_args[0].shape[0]), hw,
-                                         BUDGETS[label], capture_s, independent)
+                    config_started, printed = time.perf_counter(), []
+                    independent = mode == "independent" or mode == "checked" and (hw, label) == (hardware[0],
+                                                                                                  budgets[0])
+                    with native_stdout_counted(printed):
+                        result = plan_config(program, folding, mesh, names, int(fake_args[0].shape[0]), hw,
+                                             BUDGETS[label], capture_s, independent)
                     rows.append({"model": name, "mesh": mesh_label(mesh_shape), "devices": devices, "hardware": hw,
                                  "memory": label, "global_batch": int(fake_args[0].shape[0]), **result,
                                  **verdict(result["auto"], result["baselines"]),
-                                 "config_s": time.perf_counter() - config_started})
+                                 "config_s": time.perf_counter() - config_started, "solver_messages": printed[0]})
     print(f"  done {name} on {', '.join(map(mesh_label, meshes))}: {len(rows)} configurations in "
           f"{time.perf_counter() - started:.0f} s", flush=True)
     return rows
@@ -240,14 +275,14 @@ def _quiet() -> None:
         warnings.filterwarnings("ignore", category=category)
 
 
-def jobs_for(models, meshes, hardware, budgets, independent) -> list[tuple]:
+def jobs_for(models, meshes, hardware, budgets, mode) -> list[tuple]:
     jobs = []
     for name in sorted(models, key=COST_ORDER.index):
         by_devices: dict[int, list] = {}
         for mesh in meshes:
             by_devices.setdefault(math.prod(mesh), []).append(mesh)
         for group in sorted(by_devices.values(), key=len, reverse=True):
-            jobs.append((name, group, tuple(hardware), tuple(budgets), independent))
+            jobs.append((name, group, tuple(hardware), tuple(budgets), mode))
     return jobs
 
 
@@ -372,8 +407,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--meshes", help="comma-separated, e.g. 8,2x4")
     parser.add_argument("--hardware", help="comma-separated subset of " + ", ".join(HARDWARE))
     parser.add_argument("--budgets", help="comma-separated subset of " + ", ".join(BUDGETS))
-    parser.add_argument("--baselines", choices=("reuse", "independent"), default="reuse",
-                        help="reuse what auto already planned on the same Planner, or plan each baseline afresh")
+    parser.add_argument("--baselines", choices=("checked", "reuse", "independent"), default="checked",
+                        help="reuse: the candidates auto planned on the same Planner; independent: each baseline "
+                        "on a fresh Planner; checked (default): independent for the first hardware and budget "
+                        "(h100, unlimited), reuse for the others")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="processes planning in parallel (default: 2, or 1 on a single core)")
     parser.add_argument("--out-dir", default=RESULTS)
@@ -417,7 +454,7 @@ def main() -> None:
     _quiet()
     selected = selection(args)
     started, load_before = time.perf_counter(), os.getloadavg()
-    jobs = jobs_for(*selected, args.baselines == "independent")
+    jobs = jobs_for(*selected, args.baselines)
     print(f"planning {len(jobs)} jobs (model x device count) on {args.workers} worker(s)", flush=True)
     rows = sorted(run_jobs(jobs, args.workers), key=sort_key)
     print("\nestimated step ms / peak GiB per device; TP|DPxTP is tensor_parallel (pure TP on a 1-D mesh, "
@@ -433,13 +470,22 @@ def main() -> None:
     print("\nDEFECTS (auto loses):" if defects else "\nauto never lost to the best feasible baseline.")
     for d in defects:
         print("  ", d)
+    mismatches = [{k: r[k] for k in ("model", "mesh", "hardware", "memory", "candidate_mismatches")} for r in rows
+                  if r.get("candidate_mismatches")]
+    checked = sum(r["independent"] for r in rows)
+    print(f"\nbaselines planned independently in {checked} configurations; auto's own candidate differed in "
+          f"{len(mismatches)}:")
+    for m in mismatches:
+        print("  ", m)
+    print(f"HiGHS printed {sum(r['solver_messages'] for r in rows)} lines to stdout while planning (hidden).")
     searches = search_rows(rows)
     print(f"\nsearch time of auto on {searches[0]['hardware']}, memory {searches[0]['memory']} (seconds; capture is "
           "per model and device count, shared by its meshes):")
     print(search_table(searches))
     os.makedirs(args.out_dir, exist_ok=True)
     meta = report(args, selected, rows, started, load_before)
-    _write(os.path.join(args.out_dir, "quality.json"), meta | {"summary": summary, "defects": defects, "rows": rows})
+    _write(os.path.join(args.out_dir, "quality.json"),
+           meta | {"summary": summary, "defects": defects, "candidate_mismatches": mismatches, "rows": rows})
     _write(os.path.join(args.out_dir, "search_time.json"), meta | {"rows": searches})
     plot(rows, os.path.join(args.out_dir, "quality.png"))
     print(f"wrote quality.json, search_time.json, quality.png in {os.path.relpath(args.out_dir)} "
