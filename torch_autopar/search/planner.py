@@ -147,7 +147,12 @@ class Planner:
     def propagated(self, strategy: str) -> Plan:
         seeds = seed_placements(self.program, strategy, self.mesh.ndim)
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
-        return self._plan(strategy, propagate(self.program, self.mesh, seeds), params)
+        sharding = propagate(self.program, self.mesh, seeds)
+        if strategy == "data_parallel":
+            # Data parallelism runs the model locally on each slice (batch-coupled ops such as batch norm see
+            # the rank's slice, as in DDP): nothing moves but the gradients, whatever DTensor's rules would ask.
+            sharding.redistributions.clear()
+        return self._plan(strategy, sharding, params)
 
     def fully_shard_propagated(self) -> Plan:
         seeds = seed_placements(self.program, "data_parallel", self.mesh.ndim)
