@@ -26,7 +26,7 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 
 import torch_autopar as autopar  # noqa: E402
-from torch_autopar.testing.models import GPT, GPTConfig, gpt_loss  # noqa: E402
+from torch_autopar.testing.models import GPT, GPTConfig, gpt2_init, gpt_loss  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -91,17 +91,6 @@ class CharWindows(torch.utils.data.Dataset):
         start = i % self.length
         chunk = self.ring[start:start + self.block_size + 1]
         return chunk[:-1], chunk[1:]
-
-
-@torch.no_grad()
-def gpt2_init(model: torch.nn.Module) -> None:
-    """GPT-2's initialisation (weights N(0, 0.02), zero biases). PyTorch's default N(0, 1) embedding, tied to
-    the output head here, makes the first logits ~sqrt(n_embd) large and the first loss ~20x ln(vocab)."""
-    for module in model.modules():
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-            torch.nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, torch.nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
 
 
 @torch.no_grad()
