@@ -12,6 +12,7 @@ rounds (order rotating), each step after a barrier and counted as its slowest ra
   autopar_auto       autopar.compile(strategy="auto") (its chosen plan), each rank its slice
   autopar_fully_shard, autopar_tensor_parallel   the named strategies
   autopar_tp_hand    autopar.compile(strategy=<the tp_hand layout as a Plan>): same layout as tp_hand
+  autopar_*_graph    the same in graph mode (torch.compile through the "autopar" backend: no DTensor dispatch)
 Memory per rank: the local bytes of parameters, gradients and optimizer state (DTensor shards counted as
 held), and the process's peak RSS at the end. Bytes communicated per rank per step: counted with
 ``CollectiveCounter`` on one untimed step; for autopar also the plan's prediction. Must never change what it
@@ -44,9 +45,10 @@ from torch_autopar.testing.models import GPT, MLP, GPTConfig, gpt2_init, gpt_los
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "speed.json")
 VARIANTS = ("ddp", "fsdp2", "tp_hand", "autopar_auto", "autopar_fully_shard", "autopar_tensor_parallel",
-            "autopar_tp_hand")
+            "autopar_tp_hand", "autopar_auto_graph", "autopar_fully_shard_graph", "autopar_tp_hand_graph")
 PAIRS = (("autopar_auto", "ddp"), ("autopar_data_parallel", "ddp"), ("autopar_auto", "fsdp2"), ("autopar_auto", "tp_hand"),
-         ("autopar_fully_shard", "fsdp2"), ("autopar_tp_hand", "tp_hand"), ("autopar_tensor_parallel", "tp_hand"))
+         ("autopar_fully_shard", "fsdp2"), ("autopar_tp_hand", "tp_hand"), ("autopar_tensor_parallel", "tp_hand"),
+         ("autopar_auto_graph", "ddp"), ("autopar_fully_shard_graph", "fsdp2"), ("autopar_tp_hand_graph", "tp_hand"))
 
 
 # workloads --------------------------------------------------------------------------------------------------
@@ -133,10 +135,12 @@ def make_variant(name, workload, rank, world, global_x):
         mesh = init_device_mesh("cpu", (world,))
         styles = {k: ColwiseParallel() if v == "col" else RowwiseParallel() for k, v in _tp_layers(model).items()}
         net, whole = parallelize_module(model, mesh, styles), True
-    elif name == "autopar_tp_hand":
-        net = autopar.compile(model, local_x, strategy=_hand_plan(build(), global_x, world), mode="eager")
     else:
-        net = autopar.compile(model, local_x, strategy=name.removeprefix("autopar_"), mode="eager")
+        mode = "graph" if name.endswith("_graph") else "eager"
+        strategy = name.removeprefix("autopar_").removesuffix("_graph")
+        if strategy == "tp_hand":
+            strategy = _hand_plan(build(), global_x, world)
+        net = autopar.compile(model, local_x, strategy=strategy, mode=mode)
     return net, torch.optim.AdamW(net.parameters(), lr=1e-4), whole
 
 

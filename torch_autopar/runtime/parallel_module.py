@@ -109,7 +109,10 @@ class ParallelModule(torch.nn.Module):
             self._broadcast_buffers()
         mode = self.mode or get_mode()
         if self._sharded is not None:
-            output = self._sharded.run(args, kwargs, mode, backends.sharded_backend(self.stats))
+            try:
+                output = self._sharded.run(args, kwargs, mode, backends.sharded_backend(self.stats))
+            except _compat.DynamoUnsupported() as error:
+                raise self._graph_error(error) from error
         else:
             output = self._run_graph(args, kwargs) if mode == "graph" else self._run_eager(args, kwargs)
         if self.full_batch and split:
@@ -129,12 +132,14 @@ class ParallelModule(torch.nn.Module):
         try:
             return self._compiled(*args, **kwargs)
         except _compat.DynamoUnsupported() as error:
-            raise AutoparError(
-                f"graph mode could not compile {type(self.module).__name__}.forward as one graph: "
-                f"{str(error).splitlines()[0]}. This usually means Python control flow that depends on tensor "
-                "values (an `if` on a tensor, `.item()`); run it in eager mode (autopar.set_mode('eager') or "
-                "compile(..., mode='eager')), or express the branch with torch.where."
-            ) from error
+            raise self._graph_error(error) from error
+
+    def _graph_error(self, error) -> AutoparError:
+        return AutoparError(
+            f"graph mode could not compile {type(self.module).__name__}.forward as one graph: "
+            f"{str(error).splitlines()[0]}. This usually means Python control flow that depends on tensor "
+            "values (an `if` on a tensor, `.item()`); run it in eager mode (autopar.set_mode('eager') or "
+            "compile(..., mode='eager')), or express the branch with torch.where.")
 
     def _compile(self):
         if self._distributed:
