@@ -71,10 +71,18 @@ def _bad_plans(rank, world):
     }
 
 
+def _data_dependent_branch(rank, world):
+    """A sharded plan needs the captured graph: a forward with Python control flow on tensor values cannot be
+    captured, and compile says so (data parallelism would still run it in eager mode)."""
+    x, _ = support.global_batch("branchy", 0)
+    return {mode: support.outcome(autopar.compile, support.build_model("branchy"), x.chunk(world)[rank],
+                                  strategy="fully_shard", mode=mode) for mode in ("eager", "graph")}
+
+
 def _job(rank, world):
     return {name: support.outcome(fn, rank, world) for name, fn in
             (("state", _state_round_trip), ("clip", _clipping), ("early_optimizer", _optimizer_before_planning),
-             ("bad", _bad_plans))}
+             ("bad", _bad_plans), ("branchy", _data_dependent_branch))}
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +138,10 @@ def test_plans_that_do_not_fit_fail_clearly(results):
         assert status == "AutoparError" and "needs 4 ranks" in message, value["wrong_world"]
         status, message = value["wrong_mesh"]
         assert status == "AutoparError" and "mesh" in message, value["wrong_mesh"]
+
+
+def test_sharded_plans_refuse_data_dependent_branches_clearly(results):
+    for value in _value(results, "branchy"):
+        for mode in ("eager", "graph"):
+            status, message = value[mode]
+            assert status == "AutoparError" and "could not capture" in message and "eager" in message, value[mode]
