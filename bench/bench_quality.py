@@ -143,7 +143,8 @@ def mesh_label(mesh) -> str:
 def _outcome(plan, strategy: str) -> dict:
     stats = plan.search_stats
     outcome = {"status": "ok", "step_s": plan.estimated_step_time, "peak_memory_gib": plan.peak_memory / 2**30,
-               "comm_gib": plan.comm_bytes() / 2**30, "mode": stats.get("mode", "propagation")}
+               "comm_gib": plan.comm_bytes() / 2**30, "mode": stats.get("mode", "propagation"),
+               "milp_objective_s": stats.get("objective_s"), "solver_status": stats.get("solver_status")}
     return outcome | ({"chose": stats.get("candidate")} if strategy == "auto" else {})
 
 
