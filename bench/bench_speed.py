@@ -171,10 +171,22 @@ def state_bytes(variant) -> int:
 
 
 def counted_bytes(variant, loss_fn, batch, rank, world) -> int:
-    net = variant[0]
+    """Bytes one rank's collectives move in one step. Graph mode: a dispatch mode cannot run inside
+    torch.compile, so the forward graph's collectives are read from the compiled graph (plus the 16-byte
+    batch check outside it) and backward is counted as it runs."""
+    net, optimizer, whole = variant
+    if getattr(net, "mode", None) != "graph":
+        with CollectiveCounter(getattr(net, "mesh", None)) as counter:
+            _step(variant, loss_fn, batch, rank, world)
+        return sum(r.nbytes for r in counter.records)
+    x, y = batch if whole else (batch[0].chunk(world)[rank], batch[1].chunk(world)[rank])
+    loss = loss_fn(net(x), y)
+    optimizer.zero_grad(set_to_none=True)
     with CollectiveCounter(getattr(net, "mesh", None)) as counter:
-        _step(variant, loss_fn, batch, rank, world)
-    return sum(r.nbytes for r in counter.records)
+        loss.backward()
+    optimizer.step()
+    forward = sum(nbytes for _, _, nbytes in net.stats.get("graph_collectives", {}).get("forward", []))
+    return sum(r.nbytes for r in counter.records) + forward + 16
 
 
 def worker(rank, world, options):
