@@ -30,6 +30,7 @@ import torch
 
 import torch_autopar as autopar
 from bench_dp import WORKLOADS, alternate, make_variant, quiet, summarise
+from provenance import code_state
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json")
 VARIANTS = ("plain", "autopar_eager", "autopar_graph", "torch_compile_autopar")
@@ -114,7 +115,7 @@ def main() -> None:
         raise autopar.AutoparError(f"unknown workloads {unknown}; expected some of {[w.name for w in WORKLOADS]}.")
     options = {"warmup": args.warmup, "rounds": args.rounds, "steps_per_round": args.steps_per_round,
                "threads": args.threads, "workloads": names}
-    started, load_before = time.perf_counter(), os.getloadavg()
+    started, load_before, code = time.perf_counter(), os.getloadavg(), code_state()
     summary = summarise(measure([w for w in WORKLOADS if w.name in names], options), list(RATIOS))
     print(table(summary))
     for name, s in summary.items():
@@ -127,7 +128,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": args.threads,
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "options": options, "workloads": {w.name: repr(w) for w in WORKLOADS if w.name in names},
-        "one_process": summary, "wall_s": time.perf_counter() - started,
+        "one_process": summary, "code": code, "wall_s": time.perf_counter() - started,
     }
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:

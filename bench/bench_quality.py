@@ -54,6 +54,7 @@ from torch_autopar.errors import AutoparError
 from torch_autopar.search.planner import Planner
 from torch_autopar.testing.models import GPT, GPT2_MEDIUM, GPT2_SMALL, GPT2_XL, LLAMA3_8B, MLP, Llama
 from torch_autopar.testing.resnet import ResNet50
+from provenance import code_state
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BASELINES = ("data_parallel", "fully_shard", "tensor_parallel", "fsdp_tp")
@@ -435,7 +436,7 @@ def selection(args) -> tuple:
     return models, meshes, hardware, budgets
 
 
-def report(args, selected, rows, started, load_before) -> dict:
+def report(args, selected, started, load_before, code: dict) -> dict:
     models, meshes, hardware, budgets = selected
     return {
         "benchmark": "bench/bench_quality.py", "command": " ".join(["python"] + sys.argv),
@@ -446,7 +447,7 @@ def report(args, selected, rows, started, load_before) -> dict:
         "selection": {"models": {m: WORKLOADS[m].per_device for m in models}, "meshes": list(map(mesh_label, meshes)),
                       "hardware": hardware, "budgets_bytes": {b: None if math.isinf(BUDGETS[b]) else BUDGETS[b] for b in budgets},
                       "baselines": args.baselines},
-        "wall_s": time.perf_counter() - started,
+        "code": code, "wall_s": time.perf_counter() - started,
     }
 
 
@@ -454,7 +455,7 @@ def main() -> None:
     args = parse_args()
     _quiet()
     selected = selection(args)
-    started, load_before = time.perf_counter(), os.getloadavg()
+    started, load_before, code = time.perf_counter(), os.getloadavg(), code_state()
     jobs = jobs_for(*selected, args.baselines)
     print(f"planning {len(jobs)} jobs (model x device count) on {args.workers} worker(s)", flush=True)
     rows = sorted(run_jobs(jobs, args.workers), key=sort_key)
@@ -484,7 +485,7 @@ def main() -> None:
           "per model and device count, shared by its meshes):")
     print(search_table(searches))
     os.makedirs(args.out_dir, exist_ok=True)
-    meta = report(args, selected, rows, started, load_before)
+    meta = report(args, selected, started, load_before, code)
     _write(os.path.join(args.out_dir, "quality.json"),
            meta | {"summary": summary, "defects": defects, "candidate_mismatches": mismatches, "rows": rows})
     _write(os.path.join(args.out_dir, "search_time.json"), meta | {"rows": searches})

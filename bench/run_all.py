@@ -25,6 +25,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from provenance import code_state
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
@@ -204,7 +206,7 @@ def main() -> None:
     unknown = [name for name in chosen if name not in {p.name for p in PARTS}]
     if unknown:
         sys.exit(f"torch_autopar bench: unknown parts {unknown}; expected some of {[p.name for p in PARTS]}.")
-    started, load_before = time.time(), os.getloadavg()
+    started, load_before, code = time.time(), os.getloadavg(), code_state()
     outcomes = {}
     for part in (p for p in PARTS if p.name in chosen):
         outcomes[part.name] = run_part(part, args.quick)
@@ -214,7 +216,7 @@ def main() -> None:
     summary = {"benchmark": "bench/run_all.py", "command": " ".join(["python"] + sys.argv), "quick": args.quick,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "python": platform.python_version(), "cpus": os.cpu_count(), "loadavg_before": load_before,
-               "loadavg_after": os.getloadavg(), "wall_s": wall_s, "parts": outcomes}
+               "loadavg_after": os.getloadavg(), "code": code, "wall_s": wall_s, "parts": outcomes}
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "summary.json"), "w") as handle:
         json.dump(summary, handle, indent=1)
