@@ -8,6 +8,8 @@ Python (no kernel fusion). Must never fall back silently to eager for a part of 
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.distributed as dist
 
@@ -84,3 +86,19 @@ def sharded_backend(stats: dict):
         return _compat.aot_autograd_backend(compiler("forward"), compiler("backward"))(gm, example_inputs)
 
     return backend
+
+
+def _call(target, *args, **kwargs):
+    return target(*args, **kwargs)
+
+
+def compile_own(target, backend):
+    """``torch.compile(target, fullgraph=True)`` through a top-level function with its own code object.
+
+    Dynamo keeps compiled graphs, and its recompile limit (8), per code object: compiling the forward of many
+    modules of one class (or many runners) would share one cache and fail after 8 instances. Each compiled
+    module gets a private copy of a trivial trampoline instead; the module's own code is inlined into it."""
+    code = _call.__code__.replace()
+    trampoline = types.FunctionType(code, _call.__globals__, f"autopar_{type(target).__name__}", None, None)
+    compiled = torch.compile(trampoline, backend=backend, fullgraph=True, dynamic=False)
+    return lambda *args, **kwargs: compiled(target, *args, **kwargs)

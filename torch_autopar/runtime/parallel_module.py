@@ -148,7 +148,7 @@ class ParallelModule(torch.nn.Module):
                                                      group, self.stats)
         else:
             backend = backends.autopar_backend
-        return torch.compile(self.module, backend=backend, fullgraph=True, dynamic=False)
+        return backends.compile_own(self.module, backend)
 
     def _check_batch_sizes(self, args, kwargs) -> None:
         local = float(_first_batch_size(args, kwargs) or 0)

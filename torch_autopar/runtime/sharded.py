@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import placement
+from torch_autopar.runtime.backend import compile_own
 from torch_autopar.search import Plan
 
 _REPLACED: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
@@ -85,7 +86,7 @@ class ShardedRunner:
         if mode != "graph":
             return self.forward(*args, **kwargs)
         if self._compiled is None:
-            self._compiled = torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False)
+            self._compiled = compile_own(self.forward, backend)
         return self._compiled(*args, **kwargs)
 
     def check_batch_sizes(self, args, kwargs) -> None:
