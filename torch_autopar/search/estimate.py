@@ -62,11 +62,14 @@ def _node_compute(node: fx.Node, sharding: Sharding, cost: CostModel) -> float:
     return cost.compute_time(node_flops(node) / split, accessed, dtype_name(node))
 
 
-def add_compute(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
+def add_compute(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
+                scale: float = 1.0) -> None:
+    """Compute seconds of every op on its local shards; ``scale`` multiplies each (data parallelism: the
+    one-process step over the number of ranks)."""
     for node in program.graph.graph.nodes:
         if node.op != "call_function" or is_free(node):
             continue
-        estimate.node_seconds[node] = _node_compute(node, sharding, cost)
+        estimate.node_seconds[node] = _node_compute(node, sharding, cost) * scale
         seconds = estimate.node_seconds[node] * estimate.weight(node)
         if program.is_backward(node):
             estimate.backward_compute += seconds

@@ -16,8 +16,9 @@ import time
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
+from torch_autopar import _compat
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.fold import Folding
 from torch_autopar.capture.program import params_fingerprint
@@ -30,7 +31,7 @@ from torch_autopar.search.milp import Solver
 from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective
 from torch_autopar.search.problem import build_problem
 from torch_autopar.search.solution import to_sharding
-from torch_autopar.strategies import Redistribution, format_placements, parse_placements, propagate, seed_placements
+from torch_autopar.strategies import Redistribution, Sharding, format_placements, parse_placements, propagate, seed_placements
 from torch_autopar.strategies.enumerate import enumerate_strategies
 from torch_autopar.strategies.propagate import tangent_placements
 from torch_autopar.strategies.roles import axis_roles, leaf_filter
@@ -148,11 +149,19 @@ class Planner:
         seeds = seed_placements(self.program, strategy, self.mesh.ndim)
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
         sharding = propagate(self.program, self.mesh, seeds)
-        if strategy == "data_parallel":
-            # Data parallelism runs the model locally on each slice (batch-coupled ops such as batch norm see
-            # the rank's slice, as in DDP): nothing moves but the gradients, whatever DTensor's rules would ask.
-            sharding.redistributions.clear()
-        return self._plan(strategy, sharding, params)
+        if strategy != "data_parallel" or self.mesh.size() == 1:
+            return self._plan(strategy, sharding, params)
+        # Data parallelism runs the whole model locally on each slice (batch-coupled ops such as batch norm
+        # see the rank's slice, as in DDP): nothing moves but the gradients, each rank computes 1/world of the
+        # one-process step, and every gradient is a partial sum to all-reduce, whatever DTensor's rules say.
+        sharding.redistributions.clear()
+        partial = tuple(Partial() for _ in range(self.mesh.ndim))
+        for node in self.program.grad_nodes.values():
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                sharding.specs[node] = _compat.DTensorSpec(self.mesh, partial, _compat.TensorMeta(
+                    value.shape, value.stride(), value.dtype))
+        return self._plan(strategy, sharding, params, local_compute=True)
 
     def fully_shard_propagated(self) -> Plan:
         seeds = seed_placements(self.program, "data_parallel", self.mesh.ndim)
@@ -266,7 +275,8 @@ class Planner:
         """Per real parameter name, the value given for the captured parameter standing for it."""
         return {real: value for name, value in captured.items() for real in self.folding.real_names(name)}
 
-    def _plan(self, strategy: str, sharding, captured_placements: dict, bucket_cap_bytes: int | None = None) -> Plan:
+    def _plan(self, strategy: str, sharding, captured_placements: dict, bucket_cap_bytes: int | None = None,
+              local_compute: bool = False) -> Plan:
         program, fold = self.program, self.folding
         ready = fold.real_order(program.grad_ready_order())
         infos = self._real_params(program.params)
@@ -277,7 +287,10 @@ class Planner:
         cap = self.bucket_cap_bytes if bucket_cap_bytes is None else bucket_cap_bytes
         buckets = assign_buckets(ready, {n: infos[n].nbytes for n in ready}, cap, groups)
         estimate = est.Estimate(weights=self.weights)
-        est.add_compute(estimate, program, sharding, self.cost)
+        if local_compute:  # each rank runs the one-process step on its 1/world of the batch
+            est.add_compute(estimate, program, Sharding(specs={}), self.cost, scale=1.0 / self.mesh.size())
+        else:
+            est.add_compute(estimate, program, sharding, self.cost)
         est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names)
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
                           lambda name: program.grad_nodes.get(fold.captured_name(name)),
