@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import resource
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 import torch_autopar as autopar
 from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.models import GPT, MLP, GPTConfig, gpt_loss
+import provenance  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dp.json")
 DP_VARIANTS = ("ddp", "autopar_eager", "autopar_graph")
@@ -267,11 +267,7 @@ def main() -> None:
         "data_parallel": dp, "one_process": single,
         "wall_s": time.perf_counter() - started,
     }
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as handle:
-        json.dump(report, handle, indent=1)
-    print(f"\nwrote {os.path.relpath(args.output)} in {report['wall_s']:.0f} s "
-          f"(load average before {load_before[0]:.1f}, after {report['machine']['loadavg_after'][0]:.1f})")
+    provenance.write_report(report, args.output, load_before)
 
 
 if __name__ == "__main__":

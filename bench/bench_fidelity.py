@@ -51,7 +51,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import torch_autopar as autopar  # noqa: E402
 from torch_autopar.testing import run_on_ranks  # noqa: E402
-from torch_autopar.testing.models import GPT, MLP, GPTConfig, gpt_loss  # noqa: E402
+from torch_autopar.testing.models import gpt_loss  # noqa: E402
+import provenance  # noqa: E402  (bench/ is on sys.path when a bench script runs)
+from bench_dp import Workload  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fidelity.json")
 TARGET_RHO, TARGET_MEDIAN_ERROR = 0.8, 0.25
@@ -61,34 +63,13 @@ COMM_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scat
 
 
 @dataclass(frozen=True, kw_only=True)
-class Config:
-    name: str
-    kind: str
-    """"gpt" or "mlp"."""
-    width: int
-    layers: int
-    local_batch: int
-    """Samples per rank per step."""
+class Config(Workload):
+    """A bench_dp workload (model and batch) planned with ``strategy`` on ``ranks`` ranks."""
+
     strategy: str
     ranks: int
-    seq: int = 0
-    """GPT only: tokens per sample."""
     quick: bool = True
     """Part of the ``--quick`` subset."""
-
-    def build(self) -> torch.nn.Module:
-        torch.manual_seed(0)
-        if self.kind == "gpt":
-            return GPT(GPTConfig(vocab_size=96, block_size=self.seq, n_layer=self.layers, n_head=4, n_embd=self.width))
-        return MLP((self.width,) * (self.layers + 1))
-
-    def batch(self, seed: int):
-        generator = torch.Generator().manual_seed(seed)
-        if self.kind == "gpt":
-            tokens = torch.randint(0, 96, (self.local_batch, self.seq + 1), generator=generator)
-            return tokens[:, :-1], tokens[:, 1:]
-        return (torch.randn(self.local_batch, self.width, generator=generator),
-                torch.randn(self.local_batch, self.width, generator=generator))
 
     def loss(self, output, target, loss_free: bool):
         if loss_free:
@@ -589,11 +570,7 @@ def main() -> None:
         "results": rows,
         "wall_s": time.perf_counter() - started,
     }
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as handle:
-        json.dump(report, handle, indent=1)
-    print(f"\nwrote {os.path.relpath(args.output)} in {report['wall_s']:.0f} s "
-          f"(load average before {load_before[0]:.1f}, after {report['machine']['loadavg_after'][0]:.1f})")
+    provenance.write_report(report, args.output, load_before)
 
 
 if __name__ == "__main__":

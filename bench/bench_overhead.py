@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -30,6 +29,7 @@ import torch
 
 import torch_autopar as autopar
 from bench_dp import WORKLOADS, alternate, make_variant, quiet, summarise
+import provenance  # noqa: E402
 from provenance import code_state
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json")
@@ -130,11 +130,7 @@ def main() -> None:
         "options": options, "workloads": {w.name: repr(w) for w in WORKLOADS if w.name in names},
         "one_process": summary, "code": code, "wall_s": time.perf_counter() - started,
     }
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as handle:
-        json.dump(report, handle, indent=1)
-    print(f"\nwrote {os.path.relpath(args.output)} in {report['wall_s']:.0f} s "
-          f"(load average before {load_before[0]:.1f}, after {report['machine']['loadavg_after'][0]:.1f})")
+    provenance.write_report(report, args.output, load_before)
 
 
 if __name__ == "__main__":
