@@ -1,7 +1,7 @@
 """Measured speed on real ranks: autopar's plans against PyTorch's own wrappers, side by side in one run.
 
     python bench/bench_speed.py            # 2 and 4 gloo ranks; writes bench/results/speed.json
-    python bench/bench_speed.py --quick    # fewer steps, 2 ranks only, no ResNet-50
+    python bench/bench_speed.py --quick    # 2 ranks, GPT and the wide MLP, eager variants, fewer steps (~40 s)
 
 Per workload and world size, every variant trains the same model on the same global batch, alternating in
 rounds (order rotating), each step after a barrier and counted as its slowest rank's time; medians over
@@ -81,6 +81,7 @@ WORKLOADS = {
                       F.cross_entropy),
 }
 FOUR_RANK_WORKLOADS = ("gpt_256", "mlp_wide_small_batch")
+QUICK_VARIANTS = ("ddp", "fsdp2", "tp_hand", "autopar_auto", "autopar_fully_shard", "autopar_tp_hand")
 RESNET_VARIANTS = ("ddp", "autopar_auto", "autopar_data_parallel")
 """ResNet-50 is MindSpore's showcase (its automatic plan ~8% faster than hand data parallelism on 8 Ascend 910):
 the analogous ratio here is autopar_auto / ddp. 64x64 images keep it within the time budget on 2 CPU cores."""
@@ -267,8 +268,9 @@ def main() -> None:
     parser.add_argument("--workloads", default=None, help="default: all (quick: all but resnet50_64px)")
     args = parser.parse_args()
     worlds = [int(w) for w in (args.worlds or ("2" if args.quick else "2,4")).split(",")]
-    default = [w for w in WORKLOADS if not (args.quick and w.startswith("resnet"))]
-    options = {"workloads": args.workloads.split(",") if args.workloads else default, "variants": list(VARIANTS), "warmup": 2 if args.quick else 3,
+    default = list(FOUR_RANK_WORKLOADS) if args.quick else list(WORKLOADS)
+    variants = [v for v in VARIANTS if not args.quick or v in QUICK_VARIANTS]
+    options = {"workloads": args.workloads.split(",") if args.workloads else default, "variants": variants, "warmup": 2 if args.quick else 3,
                "rounds": 2 if args.quick else 4, "steps_per_round": 5 if args.quick else 5}
     started = time.perf_counter()
     report = {"command": "python bench/bench_speed.py" + (" --quick" if args.quick else ""),
