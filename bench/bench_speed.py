@@ -282,6 +282,10 @@ def main() -> None:
         results = run_on_ranks(worker, world, options, timeout_s=1500)
         report["worlds"][str(world)] = summarise(results, world)
         print(table(world, report["worlds"][str(world)]), flush=True)
+    report["summary"] = {f"{world} ranks {workload} {ratio}": round(value, 3)
+                         for world, by_workload in report["worlds"].items() for workload, data in by_workload.items()
+                         if isinstance(data, dict) for ratio, value in data["ratios"].items()
+                         if ratio.startswith("autopar_auto/")}
     report["wall_s"] = time.perf_counter() - started
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as handle:
