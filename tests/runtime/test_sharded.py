@@ -180,6 +180,8 @@ def test_matches_one_process_and_counts_match_plan(jobs, item):
         assert status == "ok", f"rank {rank} {case} on mesh {mesh}: {status}: {value}"
     runs = [value for _, value in outcomes]
     what = f"{case} on mesh {mesh} (plan: {runs[0]['chosen']}, {runs[0]['placements']})"
+    if model_name == "cnn" and strategy == "auto":
+        assert not runs[0]["sharded"], f"{what}: auto must keep DDP's per-rank batch statistics"
     if model_name == "cnn" and not runs[0]["sharded"]:  # per-rank batch statistics: DDP, rank by rank
         for rank, (run, result) in enumerate(zip(runs, results)):
             status, ddp = result["ddp_cnn"]

@@ -409,6 +409,18 @@ class Planner:
         names = ["data_parallel", "fully_shard", "tensor_parallel", "auto"]
         if self.mesh.ndim >= 2:
             names.insert(3, "fsdp_tp")
+        if executable and self.program.buffer_updates:
+            # Batch statistics (batch norm in training): data parallelism computes them per rank, as DDP does
+            # (the compile contract); a sharded plan would compute them over the global batch. auto keeps the
+            # contract; a sharded strategy asked for by name gets global statistics (documented).
+            plan = self.propagated("data_parallel")
+            plan.search_stats["candidate"] = "data_parallel"
+            plan.notes.append("the forward updates batch statistics (" + ", ".join(sorted(self.program.buffer_updates))[:120]
+                              + "): auto keeps data parallelism so that they stay per rank, as with DDP; name a "
+                              "sharded strategy to get statistics over the global batch")
+            best = self._within_budget([plan])
+            best.strategy = "auto"
+            return best
         # Each named strategy is planned exactly as plan(strategy=name) plans it (its own restricted problem),
         # so auto can never lose to one of them; "auto" itself is the unrestricted search.
         plans = []
