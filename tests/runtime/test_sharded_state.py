@@ -68,6 +68,8 @@ def _bad_plans(rank, world):
                                        strategy=wrong_world),
         "wrong_mesh": support.outcome(autopar.compile, support.build_model("mlp"), x.chunk(world)[rank],
                                       strategy="fully_shard", mesh=(2, 2)),
+        "unequal": support.outcome(autopar.compile(support.build_model("mlp"), x.chunk(world)[rank],
+                                                   strategy="fully_shard"), x[:3] if rank == 0 else x[:2]),
     }
 
 
@@ -138,6 +140,9 @@ def test_plans_that_do_not_fit_fail_clearly(results):
         assert status == "AutoparError" and "needs 4 ranks" in message, value["wrong_world"]
         status, message = value["wrong_mesh"]
         assert status == "AutoparError" and "mesh" in message, value["wrong_mesh"]
+        status, message = value["unequal"]
+        assert status == "AutoparError" and "unequal size" in message and "sum over 2 ranks: 5" in message, \
+            value["unequal"]
 
 
 def test_sharded_plans_refuse_data_dependent_branches_clearly(results):

@@ -18,7 +18,7 @@ from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import GradientReducer
 from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime.modes import get_mode
-from torch_autopar.runtime.sharded import ShardedRunner
+from torch_autopar.runtime.sharded import ShardedRunner, check_equal_slices
 from torch_autopar.search import Plan
 
 
@@ -151,15 +151,8 @@ class ParallelModule(torch.nn.Module):
         return backends.compile_own(self.module, backend)
 
     def _check_batch_sizes(self, args, kwargs) -> None:
-        local = float(_first_batch_size(args, kwargs) or 0)
-        sums = torch.tensor([local, local * local], dtype=torch.float64)
-        dist.all_reduce(sums, group=self._group)
-        if abs(self.world_size * float(sums[1]) - float(sums[0]) ** 2) > 0.5:
-            raise AutoparError(
-                f"ranks were given batches of unequal size (this rank: {int(local)}, sum over {self.world_size} "
-                f"ranks: {int(sums[0])}); averaged gradients would not equal the global batch's. Make the global "
-                "batch divisible by the data-parallel size, or use autopar.Model(...).train()."
-            )
+        check_equal_slices(_first_batch_size(args, kwargs), self.world_size, self._group,
+                           "averaged gradients would not equal the global batch's")
 
     def _local_slice(self, args, kwargs):
         rank, size = dist.get_rank(self._group), self.world_size

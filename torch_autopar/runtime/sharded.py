@@ -14,7 +14,6 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.distributed.tensor import DTensor
 
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import placement
@@ -91,14 +90,8 @@ class ShardedRunner:
 
     def check_batch_sizes(self, args, kwargs) -> None:
         """One 16-byte all-reduce: every rank must pass a slice of the same size (the global shape depends on it)."""
-        local = float(placement.global_batch_size(args, kwargs, 1) or 0)
-        sums = torch.tensor([local, local * local], dtype=torch.float64)
-        dist.all_reduce(sums)
-        if abs(self.world_size * float(sums[1]) - float(sums[0]) ** 2) > 0.5:
-            raise AutoparError(
-                f"ranks were given batches of unequal size (this rank: {int(local)}, sum over {self.world_size} "
-                f"ranks: {int(sums[0])}); a sharded plan needs equal slices of the global batch. Make the global "
-                "batch divisible by the number of ranks, or use autopar.Model(...).train().")
+        check_equal_slices(placement.global_batch_size(args, kwargs, 1), self.world_size, None,
+                           "a sharded plan needs equal slices of the global batch")
 
     def state_dict(self, *args, **kwargs) -> dict:
         return placement.full_state_dict(self.module.state_dict(*args, **kwargs))
@@ -110,5 +103,14 @@ class ShardedRunner:
         return placement.load_full_state_dict(self.module, state_dict, strict)
 
 
-def is_sharded_module(module: torch.nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters())
+def check_equal_slices(local_batch: int | None, world_size: int, group, consequence: str) -> None:
+    """Raise a clear error unless every rank of ``group`` passed ``local_batch`` samples (one all-reduce of
+    [b, b^2]: equal sizes iff world * sum(b^2) == sum(b)^2)."""
+    local = float(local_batch or 0)
+    sums = torch.tensor([local, local * local], dtype=torch.float64)
+    dist.all_reduce(sums, group=group)
+    if abs(world_size * float(sums[1]) - float(sums[0]) ** 2) > 0.5:
+        raise AutoparError(
+            f"ranks were given batches of unequal size (this rank: {int(local)}, sum over {world_size} ranks: "
+            f"{int(sums[0])}); {consequence}. Make the global batch divisible by the number of ranks, or use "
+            "autopar.Model(...).train().")
