@@ -62,6 +62,8 @@ class ShardedRunner:
         _remember_replacements(before, module)
         self.gradients = placement.GradientPlacement(module)
         self.gathered = placement.gathered_parameters(module, plan)
+        params = dict(module.named_parameters())
+        self._gather = [(name, params[name], wanted) for name, wanted in self.gathered.items()]
         self._compiled = None
 
     @property
@@ -72,9 +74,8 @@ class ShardedRunner:
         """One call on this rank's slice: global DTensor inputs → the user's forward → this rank's outputs."""
         batch = placement.global_batch_size(args, kwargs, self.world_size)
         global_args, global_kwargs = placement.inputs_to_global(args, kwargs, self.mesh, self.plan.input_placements)
-        if self.gathered:  # the whole parameters for this forward, gathered once (the module's own stay sharded)
-            params = dict(self.module.named_parameters())
-            whole = {name: params[name].redistribute(self.mesh, wanted) for name, wanted in self.gathered.items()}
+        if self._gather:  # the whole parameters for this forward, gathered once (the module's own stay sharded)
+            whole = {name: param.redistribute(self.mesh, wanted) for name, param, wanted in self._gather}
             output = torch.func.functional_call(self.module, whole, global_args, global_kwargs, strict=False)
         else:
             output = self.module(*global_args, **global_kwargs)
