@@ -55,7 +55,19 @@ class RankFailure(AssertionError):
 
 
 def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, env: dict | None = None) -> list:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order."""
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order.
+
+    The rendezvous port is picked free and released before the ranks bind it; if another process took it in
+    between ("address already in use"), the job is started once more on a new port."""
+    try:
+        return _run_once(fn, world_size, args, timeout_s, env)
+    except RankFailure as error:
+        if "address already in use" not in str(error).lower() and "eaddrinuse" not in str(error).lower():
+            raise
+        return _run_once(fn, world_size, args, timeout_s, env)
+
+
+def _run_once(fn, world_size: int, args: tuple, timeout_s: float, env: dict | None) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(_worker, args=(world_size, _free_port(), timeout_s, fn, args, out_dir, env or {}),
                                      nprocs=world_size, join=False, start_method="spawn")
@@ -68,7 +80,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, env: dict
         except RankFailure:
             raise
         except mp.ProcessExitedException as error:
-            raise RankFailure(f"a rank died: {error}") from error
+            raise RankFailure(f"a rank died: {error}\n{_collect_errors(out_dir, world_size)}") from error
         except Exception as error:
             raise RankFailure(_collect_errors(out_dir, world_size) or str(error)) from error
         finally:
