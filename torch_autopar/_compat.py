@@ -28,15 +28,56 @@ __all__ = [
 ]
 
 
-def export_joint(module: torch.nn.Module, args: tuple, kwargs: dict | None):
-    """Trace ``module(*args, **kwargs)`` and its backward into one aten-level FX graph (dynamo front end).
+def export_joint(module: torch.nn.Module, args: tuple, kwargs: dict | None, *, names_from: torch.nn.Module | None = None):
+    """Trace ``module(*args, **kwargs)`` and its backward into one aten-level FX graph.
 
+    The forward is captured by dynamo exactly as ``torch.export`` captures it (``torch.compiler.is_compiling()``
+    and ``is_exporting()`` are True inside, logger and ``warnings`` calls are skipped, ``ModelOutput``-style
+    outputs are flattened), so library code written for compilers takes its compiler path. The captured
+    module keeps the parameter and buffer names they have in ``names_from`` (default ``module``); AOTAutograd
+    then traces the joint forward+backward.
     Returns the joint ``GraphModule`` whose placeholders/outputs carry ``meta["desc"]`` descriptors
     (parameter, buffer, user input, tangent / forward output, gradient of a parameter).
     """
+    from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
+    from torch._guards import TracingContext, tracing
+
+    with compiling_without_logging():
+        captured = _dynamo_graph_capture_for_export(module)(*args, **(kwargs or {}))
+    _restore_names(names_from if names_from is not None else module, captured)
     with contextlib.ExitStack() as stack:
-        joint = aot_export_joint_with_descriptors(stack, module, args, kwargs or {})
+        stack.enter_context(tracing(TracingContext(captured.meta.get("fake_mode"))))
+        joint = aot_export_joint_with_descriptors(stack, captured, args, kwargs or {})
         return joint.graph_module, joint.out_spec
+
+
+def _restore_names(original: torch.nn.Module, traced: torch.fx.GraphModule) -> None:
+    """Give the traced module's parameters and buffers the names (and registration order) they have in
+    ``original``; a tied tensor keeps its first name, as ``named_parameters()`` reports it. Tensors dynamo lifted
+    that ``original`` does not own (constants a forward creates) stay plain attributes under their traced names,
+    so the joint graph sees them as constants, not as buffers of the model."""
+    from torch.fx.graph_module import _assign_attr, _del_attr
+
+    first_name: dict[int, str] = {}
+    for name, tensor in [*original.named_parameters(), *original.named_buffers()]:
+        first_name.setdefault(id(tensor), name)
+    traced_tensors = [*traced.named_parameters(remove_duplicate=False), *traced.named_buffers(remove_duplicate=False)]
+    for name, _ in traced_tensors:
+        _del_attr(traced, name)
+    by_id = {id(tensor): tensor for _, tensor in traced_tensors}
+    for tensor_id, name in first_name.items():
+        if tensor_id in by_id:
+            _assign_attr(by_id[tensor_id], traced, name)
+    renamed = {}
+    for name, tensor in traced_tensors:
+        new_name = first_name.get(id(tensor))
+        if new_name is None:
+            *owner_path, field = name.split(".")
+            setattr(traced.get_submodule(".".join(owner_path)), field, tensor)
+        renamed[name] = new_name or name
+    for node in traced.graph.find_nodes(op="get_attr"):
+        node.target = renamed.get(node.target, node.target)
+    traced.recompile()
 
 
 def input_kind(desc: Any) -> str:
@@ -89,8 +130,16 @@ def propagate_sharding(op, args_schema: tuple, kwargs_schema: dict):
     return propagator.propagate_op_sharding(OpSchema(op, args_schema, kwargs_schema))
 
 
+_REPLICATED_FALLBACKS: set = set()
+"""Ops given DTensor's replicate-everything strategy by ``register_replicated_fallback``: they still count as
+having no rule (the planner replicates and reports them)."""
+
+
 def has_sharding_rule(op) -> bool:
-    """Whether DTensor has a registered sharding strategy or rule for this aten overload."""
+    """Whether DTensor has a registered sharding strategy or rule for this aten overload (a replicated fallback
+    torch_autopar registered is not a rule)."""
+    if op in _REPLICATED_FALLBACKS:
+        return False
     propagator = DTensor._op_dispatcher.sharding_propagator
     tables = [propagator.op_strategy_funcs, propagator.op_to_rules,
               getattr(propagator, "op_single_dim_strategy_funcs", {}) or {}]
@@ -133,6 +182,30 @@ def register_dynamo_backend(name: str, fn: Callable) -> None:
         registry.register_backend(compiler_fn=fn, name=name)
 
 
+def _logging_calls() -> set:
+    """``warnings.warn`` and the ``logging.Logger`` methods that emit a message, including ones libraries add to
+    the class (such as ``transformers``' ``warning_once``); querying methods (``isEnabledFor``) are left out:
+    they return values."""
+    import logging
+    import warnings
+
+    emitting = {"debug", "info", "warning", "warn", "error", "exception", "critical", "log"}
+    found = {warnings.warn, warnings.warn_explicit}
+    for name, value in vars(logging.Logger).items():
+        added = callable(value) and getattr(value, "__module__", "logging") != "logging" and not name.startswith("_")
+        if name in emitting or added:
+            found.add(value)
+    return found
+
+
+def compiling_without_logging():
+    """While dynamo traces, logger and ``warnings.warn`` calls are skipped as ``torch.export`` skips logger calls
+    (no graph break); they still run in eager mode. Returns a context manager."""
+    from torch._dynamo import config
+
+    return config.patch(ignore_logging_functions=set(config.ignore_logging_functions) | _logging_calls())
+
+
 def dynamo_unsupported_errors() -> tuple[type, ...]:
     """Exception types dynamo raises when it cannot capture a forward as one graph."""
     from torch._dynamo import exc
@@ -142,6 +215,21 @@ def dynamo_unsupported_errors() -> tuple[type, ...]:
 
 
 DynamoUnsupported = dynamo_unsupported_errors
+
+
+def graph_break_reason(error: BaseException) -> str:
+    """Why dynamo could not capture a forward as one graph, in one line: its explanation of the break and the
+    user's line that caused it (the last frame of dynamo's "from user code" trace), else the error's first line."""
+    import re
+
+    text = str(error)
+    explanation = re.search(r"Explanation: (.*)", text)
+    reason = explanation.group(1).strip() if explanation else (text.splitlines() or [""])[0]
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', text.split("from user code:")[-1])
+    if "from user code:" in text and frames:
+        path, line, function, source = frames[-1]
+        reason += f" (at {path}:{line} in {function}: {source.strip()})"
+    return f"{type(error).__name__}: {reason}"
 
 
 def functional_all_reduce_inplace():
@@ -186,7 +274,7 @@ def op_strategies(op, args_schema: tuple, kwargs_schema: dict, mesh, output_meta
         return expand_to_full_mesh_op_strategy(
             mesh, schema, filled, output_tensor_meta=output_meta, input_index=num_outputs,
             allow_unbacked_sharding=info.allow_unbacked_sharding, allow_uneven_sharding=info.allow_uneven_sharding)
-    func = propagator.op_strategy_funcs.get(op)
+    func = propagator.op_strategy_funcs.get(op) if op not in _REPLICATED_FALLBACKS else None
     return func(schema) if func is not None else None
 
 
@@ -361,3 +449,72 @@ def prefer_early_partial_reduction() -> None:
 
     redistribute_cost._autopar_partial_penalty = True
     ops_utils.redistribute_cost = redistribute_cost
+
+
+# --- Sharding rules torch_autopar adds to DTensor's registry (strategies/rules/) -------------------------------
+
+def register_sharding_rule(op, single_axis_rule: Callable, *, num_outputs: int, static_argnum: int) -> None:
+    """Register ``op`` in DTensor's strategy registry (used by the planner and by DTensor at run time).
+
+    ``single_axis_rule(schema)`` returns the op's valid placements on one mesh axis, each a list of
+    [output placements..., tensor input placements (positional, then keyword)...]; DTensor expands them to
+    every axis of the mesh. ``static_argnum``: index of the first non-tensor argument that keys DTensor's cache.
+    """
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+
+    def strategy(op_schema):
+        mesh = op_schema.get_mesh_from_args(validate=False)
+        return expand_to_full_mesh_op_strategy(mesh, op_schema, single_axis_rule(op_schema), input_index=num_outputs)
+
+    register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum))(strategy)
+
+
+def register_replicated_fallback(op) -> None:
+    """Give ``op`` (which has no sharding rule) DTensor's replicate-everything strategy: inputs are gathered,
+    the op runs on whole tensors, outputs are replicated. Correct for any op, and as slow as one device."""
+    from torch.distributed.tensor._ops.utils import register_op_strategy, replicate_op_strategy
+
+    if not has_sharding_rule(op) and op not in _REPLICATED_FALLBACKS:
+        register_op_strategy(op)(replicate_op_strategy)
+        _REPLICATED_FALLBACKS.add(op)
+
+
+def strategy_shape(strategy) -> tuple[int, ...] | None:
+    """The global shape of the tensor an ``OpStrategy`` argument stands for (None for a non-tensor)."""
+    OpStrategy, _, _ = strategy_types()
+    return tuple(strategy.shape) if isinstance(strategy, OpStrategy) else None
+
+
+def redistribute_keyword_tensors(op, wanted_placements: Callable) -> None:
+    """DTensor moves positional arguments into the layout the chosen strategy wants but never keyword tensors
+    ("rare", says its dispatcher), so an op like CPU flash attention got a whole ``attn_mask`` next to a
+    batch-sharded query. Install a handler for ``op`` that first moves each keyword DTensor into
+    ``wanted_placements(name, tensor, args, args_placements)`` (``args_placements``: the placements the chosen
+    strategy wants for each positional argument, None for non-tensors), then runs the op as DTensor would.
+    Idempotent."""
+    dispatcher = DTensor._op_dispatcher
+    if op in dispatcher._custom_op_handlers:
+        return
+
+    def handler(op_call, args, kwargs):
+        if any(isinstance(value, DTensor) for value in kwargs.values()):
+            wanted_args = _wanted_positional_placements(op_call, args, kwargs)
+            kwargs = {name: value.redistribute(value.device_mesh, wanted_placements(name, value, args, wanted_args))
+                      if isinstance(value, DTensor) else value for name, value in kwargs.items()}
+        handler_now = dispatcher._custom_op_handlers.pop(op_call)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            dispatcher._custom_op_handlers[op_call] = handler_now
+
+    dispatcher._custom_op_handlers[op] = handler
+
+
+def _wanted_positional_placements(op_call, args: tuple, kwargs: dict) -> list:
+    op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    DTensor._op_dispatcher.sharding_propagator.propagate(op_info)
+    output = op_info.output_sharding
+    schema = output.redistribute_schema if output is not None and output.needs_redistribute else None
+    specs = schema.args_schema if schema is not None else [getattr(a, "_spec", None) for a in args]
+    return [tuple(spec.placements) if isinstance(spec, DTensorSpec) else None for spec in specs]

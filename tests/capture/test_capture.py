@@ -4,6 +4,8 @@ dataclass outputs), on fake or meta tensors; and those models compiled and run i
 from __future__ import annotations
 
 import dataclasses
+import logging
+import warnings
 
 import pytest
 import torch
@@ -181,3 +183,34 @@ def test_compile_and_run_unregistered_dataclass_output():
     output = autopar.compile(module)(x)
     assert isinstance(output, UnregisteredOutput)
     torch.testing.assert_close(output.logits, plain(x).logits, rtol=1e-6, atol=1e-6)
+
+
+_LOG = logging.getLogger("torch_autopar.test")
+
+
+class _Chatty(nn.Module):
+    """Library-style code: a warning, a logger call and a ``torch._check`` in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        warnings.warn("torch_autopar test: a library warning")
+        _LOG.warning("a library log line %d", 3)
+        torch._check(x.shape[0] > 0)
+        return self.fc(x)
+
+
+def test_warnings_logging_and_checks_do_not_break_capture():
+    program = capture(_Chatty(), (torch.randn(2, 4),), {})
+    assert set(program.params) == {"fc.weight", "fc.bias"}
+
+
+def test_warnings_and_logging_do_not_break_graph_mode():
+    model = _Chatty()
+    x = torch.randn(2, 4)
+    compiled = autopar.compile(model, x, strategy="stand_alone", mode="graph")
+    with pytest.warns(UserWarning, match="a library warning"):
+        expected = model(x)  # eager still warns
+    torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)

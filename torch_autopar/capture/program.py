@@ -118,17 +118,37 @@ def fake_global_inputs(module: torch.nn.Module, args: tuple, kwargs: dict, batch
     return pytree.tree_map(scale, (tuple(args), dict(kwargs)))
 
 
+def without_opaque_outputs(output):
+    """``output`` with every leaf that is neither a tensor nor a plain constant (a key/value cache object)
+    replaced by None: what a captured or compiled graph can hand back. Training needs none of them."""
+    plain = (torch.Tensor, int, float, bool, str, type(None))
+    return pytree.tree_map(lambda leaf: leaf if isinstance(leaf, plain) else None, output)
+
+
+class _CapturableOutputs(torch.nn.Module):
+    """Calls the model and hands back ``without_opaque_outputs`` of its output.
+
+    The program's output indices count the tensor outputs; they pair each tangent with its output inside the
+    captured graph, and nothing matches them against the real call's output leaves."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return without_opaque_outputs(self.module(*args, **kwargs))
+
+
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedProgram:
     """Trace ``module(*args, **kwargs)`` with its backward; ``args`` should be fake or meta tensors."""
     try:
-        graph, _ = _compat.export_joint(module, tuple(args), kwargs or {})
+        graph, _ = _compat.export_joint(_CapturableOutputs(module), tuple(args), kwargs or {}, names_from=module)
     except Exception as error:  # dynamo's Unsupported/UserError, fake tensors' DataDependentOutputException, ...
         raise AutoparError(
-            f"could not capture {type(module).__name__}.forward as one graph ({type(error).__name__}: "
-            f"{(str(error).splitlines() or [''])[0]}). "
-            "Planning and graph mode need a forward without data-dependent Python control flow; "
-            "run it in eager mode (autopar.set_mode('eager')) with an explicit strategy such as 'data_parallel', "
-            "or make the branch a tensor operation (torch.where)."
+            f"could not capture {type(module).__name__}.forward as one graph: {_compat.graph_break_reason(error)}. "
+            "Planning a sharded strategy needs the whole forward as one graph (dynamo, as torch.export); remove "
+            "or guard that line (for example `if not torch.compiler.is_compiling():`, or torch.where for a branch "
+            "on tensor values), or run data parallelism (strategy='data_parallel'), which needs no capture."
         ) from error
     return _describe(graph)
 

@@ -100,6 +100,15 @@ def gathered_parameters(module: torch.nn.Module, plan: Plan) -> dict[str, tuple]
     return gathered
 
 
+def replicate_ops_without_rules(op_names) -> None:
+    """Ops the plan replicates for lack of a sharding rule ("aten.foo.default", "mylib.op.default") run that way:
+    DTensor gathers their inputs and runs them on whole tensors instead of raising "no sharding strategy"."""
+    for name in op_names:
+        namespace, op_name, overload = name.split(".")
+        op = getattr(getattr(getattr(torch.ops, namespace), op_name), overload)
+        _compat.register_replicated_fallback(op)
+
+
 def global_batch_size(args, kwargs, world_size: int) -> int | None:
     """The global batch: this rank's dim 0 times the number of ranks (every rank passes an equal slice)."""
     for leaf in pytree.tree_leaves((args, kwargs)):

@@ -2,8 +2,10 @@
 
 Registered under the name "autopar", so ``torch.compile(model, backend="autopar")`` works on any module (one
 process, nothing inserted). A parallel module in graph mode uses ``data_parallel_backend``, which also runs the
-rewrite stage's gradient-sync pass on each backward graph. Graphs run through the FX interpreter's generated
-Python (no kernel fusion). Must never fall back silently to eager for a part of the model.
+rewrite stage's gradient-sync pass on each backward graph (with graph breaks, each compiled piece syncs the
+gradients it produces; the Python between pieces runs as torch.compile runs it). Graphs run through the FX
+interpreter's generated Python (no kernel fusion). Sharded plans compile the whole forward as one graph: a
+break there is an error, never a silent fall back to eager.
 """
 
 from __future__ import annotations
@@ -92,13 +94,19 @@ def _call(target, *args, **kwargs):
     return target(*args, **kwargs)
 
 
-def compile_own(target, backend):
-    """``torch.compile(target, fullgraph=True)`` through a top-level function with its own code object.
+def compile_own(target, backend, *, fullgraph: bool = True):
+    """``torch.compile(target, fullgraph=fullgraph)`` through a top-level function with its own code object;
+    logger calls inside are skipped while tracing, as ``torch.export`` skips them.
 
     Dynamo keeps compiled graphs, and its recompile limit (8), per code object: compiling the forward of many
     modules of one class (or many runners) would share one cache and fail after 8 instances. Each compiled
     module gets a private copy of a trivial trampoline instead; the module's own code is inlined into it."""
     code = _call.__code__.replace()
     trampoline = types.FunctionType(code, _call.__globals__, f"autopar_{type(target).__name__}", None, None)
-    compiled = torch.compile(trampoline, backend=backend, fullgraph=True, dynamic=False)
-    return lambda *args, **kwargs: compiled(target, *args, **kwargs)
+    compiled = torch.compile(trampoline, backend=backend, fullgraph=fullgraph, dynamic=False)
+
+    def call(*args, **kwargs):
+        with _compat.compiling_without_logging():
+            return compiled(target, *args, **kwargs)
+
+    return call

@@ -137,9 +137,10 @@ class ParallelModule(torch.nn.Module):
     def _graph_error(self, error) -> AutoparError:
         return AutoparError(
             f"graph mode could not compile {type(self.module).__name__}.forward as one graph: "
-            f"{str(error).splitlines()[0]}. This usually means Python control flow that depends on tensor "
-            "values (an `if` on a tensor, `.item()`); run it in eager mode (autopar.set_mode('eager') or "
-            "compile(..., mode='eager')), or express the branch with torch.where.")
+            f"{_compat.graph_break_reason(error)}. A sharded plan runs the whole forward as one graph; remove or "
+            "guard that line (`if not torch.compiler.is_compiling():`, torch.where for a branch on tensor values), "
+            "run it in eager mode (compile(..., mode='eager')), or use strategy='data_parallel', whose graph mode "
+            "runs compiled pieces with Python in between.")
 
     def _compile(self):
         if self._distributed:
@@ -148,7 +149,7 @@ class ParallelModule(torch.nn.Module):
                                                      group, self.stats)
         else:
             backend = backends.autopar_backend
-        return backends.compile_own(self.module, backend)
+        return backends.compile_own(self.module, backend, fullgraph=False)  # graph breaks: pieces, as torch.compile
 
     def _check_batch_sizes(self, args, kwargs) -> None:
         check_equal_slices(_first_batch_size(args, kwargs), self.world_size, self._group,

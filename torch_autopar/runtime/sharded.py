@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from torch_autopar.capture.program import without_opaque_outputs
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import placement
 from torch_autopar.runtime.backend import compile_own
@@ -57,6 +58,7 @@ class ShardedRunner:
     def __init__(self, module: torch.nn.Module, plan: Plan):
         self.module, self.plan = module, plan
         self.mesh = placement.mesh_for_plan(plan)
+        placement.replicate_ops_without_rules(plan.replicated_ops)
         before = dict(module.named_parameters(remove_duplicate=False))
         placement.distribute_parameters(module, self.mesh, plan)
         _remember_replacements(before, module)
@@ -85,8 +87,8 @@ class ShardedRunner:
         self.check_batch_sizes(args, kwargs)
         if mode != "graph":
             return self.forward(*args, **kwargs)
-        if self._compiled is None:
-            self._compiled = compile_own(self.forward, backend)
+        if self._compiled is None:  # objects like a key/value cache would hold DTensors the graph cannot return
+            self._compiled = compile_own(lambda *a, **k: without_opaque_outputs(self.forward(*a, **k)), backend)
         return self._compiled(*args, **kwargs)
 
     def check_batch_sizes(self, args, kwargs) -> None:

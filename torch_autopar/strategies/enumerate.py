@@ -76,15 +76,20 @@ class _Enumerator:
         for node in self.program.graph.graph.nodes:
             if node.op == "placeholder":
                 self._leaf(node)
+            elif node.op == "get_attr":  # a constant the forward creates (an empty tensor, a fill value)
+                self._leaf(node, constant=True)
             elif node.op == "call_function":
                 self._call(node)
         return self.space
 
-    def _leaf(self, node: fx.Node) -> None:
+    def _leaf(self, node: fx.Node, constant: bool = False) -> None:
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor):
             return
-        placements = self.leaf_filter(node, leaf_placements(value, self.mesh.ndim, tuple(self.mesh.shape)))
+        if constant:
+            placements = [tuple(Replicate() for _ in range(self.mesh.ndim))]
+        else:
+            placements = self.leaf_filter(node, leaf_placements(value, self.mesh.ndim, tuple(self.mesh.shape)))
         key = ("leaf", tuple(value.shape), value.dtype, tuple(placements))
         if key not in self.cache:  # equal leaves share one candidate list (lets the search tie them)
             meta = _meta(value)

@@ -58,7 +58,7 @@ class _Propagator:
 
     def run(self) -> Sharding:
         for node in self.program.graph.graph.nodes:
-            if node.op == "placeholder":
+            if node.op in ("placeholder", "get_attr"):  # get_attr: a constant, replicated
                 self._placeholder(node)
             elif node.op == "call_function":
                 self.result.specs[node] = self._call(node)

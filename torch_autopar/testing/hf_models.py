@@ -1,0 +1,78 @@
+"""Popular ``transformers`` models built from small configs (no download), with their inputs, for tests and
+benchmarks: each is called the way its documentation shows (``model(**batch).loss``).
+
+Dropout is off so that runs are deterministic; attention implementation and masks are each model's defaults.
+Needs the optional ``transformers`` package (the ``dev`` extra). Must never download anything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "bert", "t5", "vit")
+VOCAB = 128
+SEQ = 16
+IMAGE = 16
+
+
+def _decoder_config(kind: str):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  attention_dropout=0.0, tie_word_embeddings=False)
+    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                    "qwen2": transformers.Qwen2Config}[kind]
+    return config_class(**common)
+
+
+def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """A freshly initialised ``transformers`` model (deterministic given ``seed``), in training mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if name == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    elif name in ("llama", "mistral", "qwen2"):
+        model = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+                 "qwen2": transformers.Qwen2ForCausalLM}[name](_decoder_config(name))
+    elif name == "bert":
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=128, max_position_embeddings=64, num_labels=3,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = transformers.BertForSequenceClassification(config)
+    elif name == "t5":
+        config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                       num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                                       decoder_start_token_id=0, pad_token_id=0)
+        model = transformers.T5ForConditionalGeneration(config)
+    elif name == "vit":
+        config = transformers.ViTConfig(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                        num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = transformers.ViTForImageClassification(config)
+    else:
+        raise ValueError(f"unknown transformers model {name!r}; expected one of {HF_MODELS}")
+    return model.train()
+
+
+def hf_batch(name: str, batch: int, step: int = 0) -> dict[str, torch.Tensor]:
+    """The keyword inputs of one global batch (with labels, so the model returns its loss)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    if name == "vit":
+        return {"pixel_values": torch.randn(batch, 3, IMAGE, IMAGE, generator=generator),
+                "labels": torch.randint(0, 5, (batch,), generator=generator)}
+    tokens = torch.randint(1, VOCAB, (batch, SEQ), generator=generator)
+    if name == "bert":
+        return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens),
+                "labels": torch.randint(0, 3, (batch,), generator=generator)}
+    if name == "t5":
+        return {"input_ids": tokens, "labels": torch.randint(1, VOCAB, (batch, SEQ // 2), generator=generator)}
+    return {"input_ids": tokens, "labels": tokens}
+
+
+def local_batch(inputs: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's slice of a global batch (dim 0 chunked, the DDP convention)."""
+    return {key: value.chunk(world)[rank] for key, value in inputs.items()}
