@@ -6,6 +6,7 @@ the previous checkpoint loadable; another model's checkpoint is refused by name.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import signal
 
@@ -282,5 +283,30 @@ def test_rng_state_and_extra_round_trip(tmp_path):
     extra = autopar.load_checkpoint(tmp_path / "ck", model, optimizer)
     assert extra == {"epoch": 2, "note": "x", "sizes": [1, 2]}
     assert torch.equal(torch.rand(5), expected)
-    with pytest.raises(autopar.AutoparError, match="takes JSON values"):
+    with pytest.raises(autopar.AutoparError, match="must be JSON values"):
         autopar.save_checkpoint(tmp_path / "ck2", model, optimizer, weights=torch.ones(2))
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_nothing_in_a_checkpoint_is_unpickled_unchecked(tmp_path):
+    model, optimizer = _small()
+    _step(model, optimizer)
+    autopar.save_checkpoint(tmp_path / "ck", model, optimizer)
+    metadata = dcp.FileSystemReader(str(tmp_path / "ck" / "state")).read_metadata()
+    kinds = {type(entry).__name__ for entry in metadata.state_dict_metadata.values()}
+    assert kinds == {"TensorStorageMetadata"}, kinds  # hyper-parameters went to JSON, not DCP's pickled bytes
+    assert autopar.load_checkpoint(tmp_path / "ck", model, optimizer) == {}
+    assert optimizer.param_groups[0]["lr"] == 0.1 and optimizer.param_groups[0]["momentum"] == 0.9
+    marker = tmp_path / "exploited"
+    with open(tmp_path / "ck" / "state" / ".metadata", "wb") as handle:
+        pickle.dump(_Exploit(marker), handle)
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: could not load the checkpoint .* not allowed"):
+        autopar.load_checkpoint(tmp_path / "ck", model, optimizer)
+    assert not marker.exists()

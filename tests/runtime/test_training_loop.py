@@ -218,3 +218,46 @@ def test_detect_anomalies_stops_every_rank_naming_step_rank_parameter(results, s
         assert "loss nan" in message and "'layers.0.weight'" in message, message
         assert value["steps_done"] == 2
         support.assert_params_close(value["after"], value["before"], what="parameters before the NaN step")
+
+
+def test_a_short_last_accumulation_group_is_its_own_mean():
+    """10 samples, batches of 2, accumulate=3: steps over 6 and then 4 samples (one process)."""
+    data = TensorDataset(*_data()[:10])
+    model = support.build_model("mlp")
+    trainer = autopar.Model(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=LR))
+    steps = []
+    trainer.train(1, data, batch_size=2, shuffle=False, accumulate=3, progress=False,
+                  callbacks=lambda info: steps.append(info["step"]) if info["event"] == "step" else None)
+    assert steps == [1, 2]
+    expected = _reference([list(range(6)), list(range(6, 10))])
+    support.assert_params_close(support.params_of(model), expected, what="accumulate=3 over 5 batches")
+
+
+def test_resume_plans_a_lazily_compiled_model_first(tmp_path):
+    """Model(plain network) plans at its first batch; resume must plan before loading (one process)."""
+    def trained(stop_at=None, resume=False):
+        model = support.build_model("mlp")
+        trainer = autopar.Model(model, F.mse_loss, support.make_optimizer("adamw", model.parameters()))
+        trainer.train(2, _data(), batch_size=8, seed=1, progress=False, checkpoint_dir=tmp_path / "ck",
+                      checkpoint_every=3, resume=resume,
+                      callbacks=lambda info: info["event"] == "step" and info["step"] == stop_at)
+        return support.params_of(model)
+
+    whole = trained()
+    trained(stop_at=3)  # overwrites the checkpoint: step 3, mid-epoch 1
+    resumed = trained(resume=True)
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6)
+
+
+def test_train_option_errors():
+    model = support.build_model("mlp")
+    trainer = autopar.Model(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=LR))
+    with pytest.raises(autopar.AutoparError, match="^torch_autopar: checkpoint_every needs checkpoint_dir"):
+        trainer.train(1, _data(), batch_size=4, checkpoint_every=2)
+    with pytest.raises(autopar.AutoparError, match="^torch_autopar: resume=True needs checkpoint_dir"):
+        trainer.train(1, _data(), batch_size=4, resume=True)
+    with pytest.raises(autopar.AutoparError, match="^torch_autopar: accumulate=0"):
+        trainer.train(1, _data(), batch_size=4, accumulate=0)
+    with pytest.raises(autopar.AutoparError, match="^torch_autopar: Model.train needs batch_size="):
+        trainer.train(1, _data())

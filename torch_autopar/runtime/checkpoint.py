@@ -3,9 +3,10 @@
 A checkpoint is a directory that every rank can see (one machine, or a shared file system, as DCP's file writer
 requires)::
 
-    state/        DCP files: model and optimizer state under the user's parameter names. Each rank writes only
-                  its own shards (the DTensor shards of a sharded plan); tensors every rank holds whole (data
-                  parallelism) are written once (DCP de-duplicates them)
+    state/        DCP files: the model's and optimizer's tensors under the user's parameter names. Each rank
+                  writes only its own shards (the DTensor shards of a sharded plan); tensors every rank holds
+                  whole (data parallelism) are written once (DCP de-duplicates them)
+    plain.json    the optimizer's other values (hyper-parameters per group), which DCP would pickle
     plan.json     the Plan the model ran (Plan.save), for the record and for ``autopar.Plan.load``
     params.json   every parameter's name, full shape and dtype, in order: checked before anything is loaded
     rank<r>.pt    rank r's own state: RNG states (torch CPU, CUDA where present) and what the trainer adds
@@ -17,8 +18,9 @@ the new one to ``<dir>``, and ``<dir>.old`` is deleted. A crash at any point lea
 ``<dir>`` or, between the two renames, at ``<dir>.old`` (``load_checkpoint`` looks there too).
 
 Loading reads into the layout the model has now (DCP reshards), so a checkpoint saved under one plan, mesh or
-world size loads under another. Must never unpickle (JSON and ``weights_only`` loads only) and never change a
-model's plan or placements.
+world size loads under another. Must never unpickle anything but DCP's own metadata file, and that only through
+an allow-list (``_compat.safe_checkpoint_reader``); everything else is JSON or read with ``weights_only=True``.
+Must never change a model's plan or placements.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
 from torch_autopar.runtime.parallel_module import ParallelModule
 from torch_autopar.runtime.sharded import swap_sharded_parameters
@@ -101,14 +104,62 @@ def _dcp_quietly():
 
 
 def _write_state(staging: str, pmodel, optimizer) -> None:
+    """Tensors through DCP (each rank its shards); every other value (optimizer hyper-parameters, step counts
+    kept as numbers) as JSON, because DCP would pickle it."""
+    tensors, plain = split_tensors(_state(pmodel, optimizer))
+    _check_json(plain, "the optimizer's non-tensor state")
     try:
         with _dcp_quietly():
-            dcp.save(_state(pmodel, optimizer), storage_writer=dcp.FileSystemWriter(os.path.join(staging, "state")),
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(os.path.join(staging, "state")),
                      no_dist=not dist.is_initialized())
     except (Exception, dcp.CheckpointException) as error:  # DCP gathers every rank's failure: all ranks raise
         raise AutoparError(f"saving the checkpoint failed while writing {staging!r}: {type(error).__name__}: "
-                           f"{str(error).splitlines()[0] if str(error) else ''}. The previous checkpoint (if any) is "
-                           "untouched; free disk space or fix the path and save again.") from error
+                           f"{_first_line(error)}. The previous checkpoint (if any) is untouched; free disk space "
+                           "or fix the path and save again.") from error
+    if _world()[0] == 0:
+        _write_json(os.path.join(staging, "plain.json"), plain)
+
+
+def split_tensors(tree: dict) -> tuple[dict, dict]:
+    """(the tensors of a nested dict, the other values), each as a nested dict of the same keys."""
+    tensors, plain = {}, {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            inner_tensors, inner_plain = split_tensors(value)
+            if inner_tensors:
+                tensors[key] = inner_tensors
+            if inner_plain or not inner_tensors:
+                plain[key] = inner_plain
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            plain[key] = value
+    return tensors, plain
+
+
+def join_plain(tensors: dict, plain: dict, template: dict) -> dict:
+    """``tensors`` with the JSON values of ``plain`` put back, typed like ``template`` (tuples stay tuples)."""
+    joined = dict(tensors)
+    for key, value in plain.items():
+        if isinstance(value, dict) and isinstance(joined.get(key), dict):
+            joined[key] = join_plain(joined[key], value, template.get(key, {}))
+        else:
+            joined[key] = _typed_like(template.get(key), value)
+    return joined
+
+
+def _typed_like(template, value):
+    if isinstance(value, dict):
+        return {k: _typed_like(template.get(k) if isinstance(template, dict) else None, v) for k, v in value.items()}
+    if isinstance(value, list):
+        shaped = template if isinstance(template, (list, tuple)) else ()
+        items = [_typed_like(shaped[i] if i < len(shaped) else None, v) for i, v in enumerate(value)]
+        return tuple(items) if isinstance(template, tuple) else items
+    return value
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else ""
 
 
 def _state(pmodel, optimizer) -> dict:
@@ -150,12 +201,24 @@ def load(path, pmodel, optimizer) -> tuple[dict, dict]:
         raise AutoparError(f"checkpoint format version {meta.get('version')!r} at {found!r} is not supported "
                            f"(expected {FORMAT_VERSION}); save it again with this version of torch_autopar.")
     check_parameters(_read_json(os.path.join(found, "params.json")), parameter_table(_module(pmodel)), found)
-    state = _state(pmodel, optimizer)
-    with _dcp_quietly():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(found, "state")),
-                 no_dist=not dist.is_initialized())
-    _apply_state(pmodel, optimizer, state)
+    template = _state(pmodel, optimizer)
+    tensors, _ = split_tensors(template)
+    _read_tensors(found, tensors)
+    _apply_state(pmodel, optimizer, join_plain(tensors, _read_json(os.path.join(found, "plain.json")), template))
     return meta["extra"], _read_rank_state(found, meta["world_size"])
+
+
+def _read_tensors(found: str, tensors: dict) -> None:
+    """Fill ``tensors`` (in this model's layout: DCP reshards) from the checkpoint's DCP files."""
+    reader = _compat.safe_checkpoint_reader(os.path.join(found, "state"))
+    try:
+        reader.read_metadata()  # refused here, before DCP's fallbacks to other metadata files hide why
+        with _dcp_quietly():
+            dcp.load(tensors, storage_reader=reader, no_dist=not dist.is_initialized())
+    except (Exception, dcp.CheckpointException) as error:
+        raise AutoparError(f"could not load the checkpoint at {found!r}: {type(error).__name__}: {_first_line(error)}. "
+                           "Expected the state of this model and an optimizer of the same kind as the one saved "
+                           "(load without an optimizer to take the model alone).") from error
 
 
 def _apply_state(pmodel, optimizer, state: dict) -> None:
@@ -223,12 +286,12 @@ def restore_rng(state: dict | None) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _check_json(extra: dict) -> None:
+def _check_json(values: dict, what: str = "save_checkpoint(**extra)") -> None:
     try:
-        json.dumps(extra)
+        json.dumps(values)
     except (TypeError, ValueError) as error:
-        raise AutoparError(f"save_checkpoint(**extra) takes JSON values (numbers, strings, lists, dicts); found "
-                           f"{error}. Convert tensors with .tolist() or save them in the model.") from error
+        raise AutoparError(f"{what} must be JSON values (numbers, strings, lists, dicts) to be saved without "
+                           f"pickle; found {error}. Convert tensors with .tolist() or keep them in the model.") from error
 
 
 def _normalise(path) -> str:

@@ -43,10 +43,13 @@ def as_dataset(data):
 
 
 def local_batch_size(batch_size: int | None, world: int) -> int:
-    if batch_size is None or batch_size < world or batch_size % world:
+    if batch_size is None:
+        raise AutoparError("Model.train needs batch_size= (the global batch, a multiple of the number of ranks) "
+                           "unless it is given a DataLoader, which brings its own; found none.")
+    if batch_size < world or batch_size % world:
         raise AutoparError(
             f"batch_size={batch_size} is the global batch; it must be a positive multiple of the {world} "
-            f"data-parallel ranks (e.g. {max(world, (batch_size or world) - (batch_size or 0) % world)}).")
+            f"data-parallel ranks (e.g. {max(world, batch_size - batch_size % world)}).")
     return batch_size // world
 
 
@@ -115,9 +118,6 @@ def make_feed(data, batch_size: int | None, rank: int, world: int, *, shuffle: b
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     options = dict(num_workers=num_workers, pin_memory=pin)
     if isinstance(data, IterableDataset):
-        if batch_size is None or batch_size < 1:
-            raise AutoparError(f"batch_size={batch_size}: an IterableDataset needs the global batch size (a positive "
-                               "multiple of the number of ranks).")
         local_batch_size(batch_size, world)
         return Feed(_stateful_loader(data, batch_size=batch_size, **options), rank, world, sliced=True)
     local = local_batch_size(batch_size, world)
