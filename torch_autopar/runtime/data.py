@@ -16,7 +16,8 @@ Every input becomes a ``Feed``: a DataLoader plus the rule that makes its batche
 Loaders built here are torchdata's ``StatefulDataLoader``: its ``state_dict`` is the exact position inside an
 epoch (also with worker processes), and a restored loader skips the samples already seen without loading them.
 A user's ``DataLoader`` without ``state_dict`` is fast-forwarded by drawing and discarding the batches already
-consumed. Must never touch the model, the optimizer or the RNG streams the model uses.
+consumed: exact when its order is fixed per epoch (a ``DistributedSampler``, which is told the epoch, or no
+shuffling), not for a ``RandomSampler`` seeded from the global RNG. Must never touch the model, the optimizer or the RNG streams the model uses.
 """
 
 from __future__ import annotations

@@ -150,13 +150,15 @@ class Model:
         if checkpoint.find_checkpoint(run.checkpoint_dir) is None:
             return 0, None
         if self.network.plan is None:  # plan and place the model first, so the state loads into its layout
-            inputs, _ = split(next(iter(run.feed.epoch(0))))
+            inputs, _ = split(to_device(next(iter(run.feed.epoch(0))), run.device, non_blocking=False))
             self.network.prepare(inputs, {})
         extra, saved = checkpoint.load(run.checkpoint_dir, self.network, self.optimizer)
-        run.step = extra["step"]
+        run.step = extra.get("step", 0)
         if run.lr_scheduler is not None and saved.get("scheduler") is not None:
             run.lr_scheduler.load_state_dict(saved["scheduler"])
-        position = saved.get("position") or {"epoch": extra["epoch"], "consumed": extra["consumed"]}
+        # another world size (no per-rank state): the same number of global batches into the epoch; a checkpoint
+        # from save_checkpoint (no position): the data starts afresh
+        position = saved.get("position") or {"epoch": extra.get("epoch", 0), "consumed": extra.get("consumed", 0)}
         return position["epoch"], {**saved, "position": position}
 
     def _train_epoch(self, run: _Run, epoch: int, resumed: dict | None) -> dict:
