@@ -261,3 +261,19 @@ def test_train_option_errors():
         trainer.train(1, _data(), batch_size=4, accumulate=0)
     with pytest.raises(autopar.AutoparError, match="^torch_autopar: Model.train needs batch_size="):
         trainer.train(1, _data())
+
+
+def test_detect_anomalies_catches_an_infinite_gradient_with_a_finite_loss():
+    model = support.build_model("mlp")
+    model.layers[2].bias.register_hook(lambda grad: grad * float("inf"))
+    trainer = autopar.Model(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=LR))
+    events = []
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: detect_anomalies: training stopped at step 1 "
+                                                   r"\(epoch 1\) on rank 0: finite loss, first parameter with a "
+                                                   r"non-finite gradient: 'layers.2.bias'"):
+        trainer.train(1, _data(), batch_size=4, progress=False, detect_anomalies=True, callbacks=events.append)
+    assert events == []
+    trainer = autopar.Model(support.build_model("mlp"), F.mse_loss)
+    trainer.optimizer = torch.optim.SGD(trainer.network.parameters(), lr=LR)
+    trainer.train(1, _data(), batch_size=4, progress=False, detect_anomalies=True, callbacks=events.append)
+    assert [e["event"] for e in events] == ["step"] * 8 + ["epoch"] and events[-1]["samples"] == SIZE
