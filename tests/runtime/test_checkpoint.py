@@ -107,8 +107,16 @@ def _crash_on_rank_1(rank, directory):
     return {"error": error, "extra_step": extra["step"]}
 
 
-def _resume_job(rank, world, killed_dir, sharded_dir, fresh_dir):
+def _from_one_process(single_dir):
+    """A one-process checkpoint loaded into a fully-sharded model on 2 ranks."""
+    trainer = _trainer("fully_shard")
+    extra = autopar.load_checkpoint(single_dir, trainer.network, trainer.optimizer)
+    return {"extra": extra, "params": {k: v.clone() for k, v in trainer.network.state_dict().items()}}
+
+
+def _resume_job(rank, world, killed_dir, sharded_dir, fresh_dir, single_dir):
     results = {"uninterrupted": _train(_trainer("data_parallel"), Recorder(), fresh_dir, checkpoint_every=5)}
+    results["from_one_process"] = _from_one_process(single_dir)
     results["resumed"] = _train(_trainer("data_parallel"), Recorder(), killed_dir, checkpoint_every=3, resume=True)
     _sharded_then_stopped(sharded_dir)
     for strategy in ("tensor_parallel", "data_parallel"):
@@ -124,11 +132,15 @@ def _resume_job(rank, world, killed_dir, sharded_dir, fresh_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
-    killed, sharded, fresh = str(root / "killed"), str(root / "sharded"), str(root / "fresh")
+    killed, sharded, fresh, single = (str(root / name) for name in ("killed", "sharded", "fresh", "single"))
     with pytest.raises(RankFailure, match="died"):
         run_on_ranks(_killed_job, WORLD, killed, timeout_s=120)
-    results = run_on_ranks(_resume_job, WORLD, killed, sharded, fresh, timeout_s=240)
-    return {"results": results, "sharded": sharded, "killed": killed}
+    model = support.build_model("mlp", seed=7)
+    optimizer = support.make_optimizer("adamw", model.parameters())
+    _step(model, optimizer)
+    autopar.save_checkpoint(single, model, optimizer, note="one process")
+    results = run_on_ranks(_resume_job, WORLD, killed, sharded, fresh, single, timeout_s=240)
+    return {"results": results, "sharded": sharded, "killed": killed, "single_params": support.params_of(model)}
 
 
 def _reference(steps: int = 12):
@@ -197,6 +209,13 @@ def test_two_rank_checkpoint_loads_into_one_process(runs):
     assert extra == {"step": 6, "epoch": 1, "consumed": 2}
     support.assert_params_close(support.params_of(model), ref_params, what="2-rank fully_shard -> 1 process")
     assert all(state["step"] == 6 for state in optimizer.state.values())
+
+
+def test_one_process_checkpoint_loads_fully_sharded_on_two_ranks(runs):
+    for result in runs["results"]:
+        assert result["from_one_process"]["extra"] == {"note": "one process"}
+        for name, value in runs["single_params"].items():
+            torch.testing.assert_close(result["from_one_process"]["params"][name], value, rtol=0, atol=0)
 
 
 def test_crash_in_one_ranks_writer_leaves_previous_checkpoint(runs):
@@ -273,11 +292,18 @@ def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
         autopar.load_checkpoint(tmp_path / "ck", gpt)
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: no checkpoint at"):
         autopar.load_checkpoint(tmp_path / "missing", model)
+    adamw = support.make_optimizer("adamw", model.parameters())  # the checkpoint holds SGD's momentum
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: could not load .* on rank 0: "
+                                                   r"RuntimeError: Missing key .*optimizer.state.layers"):
+        autopar.load_checkpoint(tmp_path / "ck", model, adamw)
+    assert autopar.load_checkpoint(tmp_path / "ck", model) == {}  # the model alone
 
 
-def test_rng_state_and_extra_round_trip(tmp_path):
+def test_rng_state_extra_and_plan_round_trip(tmp_path):
     model, optimizer = _small()
-    autopar.save_checkpoint(tmp_path / "ck", model, optimizer, epoch=2, note="x", sizes=[1, 2])
+    pmodel = autopar.compile(model, support.global_batch("mlp", 0)[0])
+    autopar.save_checkpoint(tmp_path / "ck", pmodel, optimizer, epoch=2, note="x", sizes=[1, 2])
+    assert autopar.Plan.load(tmp_path / "ck" / "plan.json").fingerprint == pmodel.plan.fingerprint
     expected = torch.rand(5)
     torch.rand(3)
     extra = autopar.load_checkpoint(tmp_path / "ck", model, optimizer)

@@ -159,6 +159,12 @@ def _typed_like(template, value):
 
 
 def _first_line(error: BaseException) -> str:
+    """The first line of what went wrong (for DCP's CheckpointException: of the first failing rank's error)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, cause = min(failures.items(), key=lambda item: item[0])
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack) in torch 2.13
+        return f"on rank {rank}: {type(cause).__name__}: {_first_line(cause)}"
     return str(error).splitlines()[0] if str(error) else ""
 
 
