@@ -297,7 +297,8 @@ def _check_json(values: dict, what: str = "save_checkpoint(**extra)") -> None:
         json.dumps(values)
     except (TypeError, ValueError) as error:
         raise AutoparError(f"{what} must be JSON values (numbers, strings, lists, dicts) to be saved without "
-                           f"pickle; found {error}. Convert tensors with .tolist() or keep them in the model.") from error
+                           f"pickle; found {error}. Convert tensors with .tolist() or keep them in the model."
+                           ) from error
 
 
 def _normalise(path) -> str:

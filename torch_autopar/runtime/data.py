@@ -17,7 +17,8 @@ Loaders built here are torchdata's ``StatefulDataLoader``: its ``state_dict`` is
 epoch (also with worker processes), and a restored loader skips the samples already seen without loading them.
 A user's ``DataLoader`` without ``state_dict`` is fast-forwarded by drawing and discarding the batches already
 consumed: exact when its order is fixed per epoch (a ``DistributedSampler``, which is told the epoch, or no
-shuffling), not for a ``RandomSampler`` seeded from the global RNG. Must never touch the model, the optimizer or the RNG streams the model uses.
+shuffling), not for a ``RandomSampler`` seeded from the global RNG. Must never touch the model, the optimizer
+or the RNG streams the model uses.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def local_batch_size(batch_size: int | None, world: int) -> int:
 
 
 class Feed:
-    """This rank's batches, epoch by epoch, from one loader; ``position`` resumes inside an epoch."""
+    """This rank's batches, epoch by epoch, from one loader; ``epoch(..., loader_state or skip)`` resumes inside
+    an epoch."""
 
     def __init__(self, loader, rank: int, world: int, *, sampler=None, sliced: bool, dropped: int | None = None):
         self.loader, self.rank, self.world = loader, rank, world
@@ -93,7 +95,11 @@ class Feed:
     def _slice(self, batch):
         """This rank's rows of a global batch; a batch that does not divide by the world size loses its last
         rows (counted as dropped), one too small for every rank to get a row is skipped (None)."""
-        size = _batch_size(batch) or 0
+        size = _batch_size(batch)
+        if size is None:
+            raise AutoparError(f"expected batches holding tensors (dim 0: the samples) to split between the "
+                               f"{self.world} ranks; found a batch of {type(batch).__name__} without one. Collate samples into "
+                               "tensors (the DataLoader's default collate_fn does).")
         kept = size - size % self.world
         self.dropped += size - kept
         if kept == 0:

@@ -213,7 +213,8 @@ class Model:
             run.lr_scheduler.step()
         samples = sum(n for _, n in group)
         info = {"event": "step", "step": run.step, "epoch": state.epoch + 1,
-                "loss": sum(loss * n for loss, n in group) / max(samples, 1), "lr": self.optimizer.param_groups[0]["lr"]}
+                "loss": sum(loss * n for loss, n in group) / max(samples, 1),
+                "lr": self.optimizer.param_groups[0]["lr"]}
         run.stop = self._notify(run, info)
         if run.checkpoint_every is not None and run.step % run.checkpoint_every == 0:
             self._save(run, state, loader_state=run.feed.state())
