@@ -8,6 +8,7 @@ public behaviour it stands for. This module must never import another torch_auto
 from __future__ import annotations
 
 import contextlib
+import pickle
 from typing import Any, Callable
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "export_joint", "input_kind", "grad_target", "tangent_output_index", "output_index",
     "propagate_sharding", "node_flops", "queue_backward_callback", "fake_store", "aot_autograd_backend",
     "register_dynamo_backend", "functional_all_reduce_inplace", "functional_wait_tensor", "DynamoUnsupported",
+    "safe_checkpoint_reader",
 ]
 
 
@@ -518,3 +520,49 @@ def _wanted_positional_placements(op_call, args: tuple, kwargs: dict) -> list:
     schema = output.redistribute_schema if output is not None and output.needs_redistribute else None
     specs = schema.args_schema if schema is not None else [getattr(a, "_spec", None) for a in args]
     return [tuple(spec.placements) if isinstance(spec, DTensorSpec) else None for spec in specs]
+
+
+_CHECKPOINT_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class _CheckpointMetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` file allowing only the classes DCP writes there (its metadata dataclasses
+    and enums, storage infos, ``torch.Size``, dtypes, layouts, paths): anything else is refused, not run."""
+
+    def find_class(self, module: str, name: str):
+        import torch.distributed.checkpoint.metadata as metadata
+
+        if module == metadata.__name__ and isinstance(getattr(metadata, name, None), type):
+            return getattr(metadata, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _CHECKPOINT_METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+def safe_checkpoint_reader(path: str):
+    """DCP's ``FileSystemReader`` for ``path``, except that its ``.metadata`` file (a pickle, read with plain
+    ``pickle.load`` by DCP) is read through an allow-list unpickler, so a tampered checkpoint cannot run code.
+    Tensors are read as raw bytes by DCP; non-tensor values ("bytes" items, which DCP loads with
+    ``weights_only=False``) must not be saved through DCP at all."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as handle:
+                metadata = _CheckpointMetadataUnpickler(handle).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)

@@ -9,6 +9,8 @@ the user's module's parameters except through the optimizer the user runs.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -65,6 +67,7 @@ class ParallelModule(torch.nn.Module):
         self._compiled = None
         self._reducer = None
         self._sharded: ShardedRunner | None = None
+        self._sync = True
         if plan is not None:
             self._set_up(plan)
 
@@ -99,6 +102,18 @@ class ParallelModule(torch.nn.Module):
         """The DeviceMesh a sharded plan runs on (None for data parallelism and one process)."""
         return self._sharded.mesh if self._sharded is not None else None
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes of forwards run inside skip gradient averaging: gradients accumulate locally and the
+        first backward outside averages the sums (DDP's ``no_sync``, for gradient accumulation). Only eager data
+        parallelism can skip it; graph mode (the all-reduce is in the backward graph) and sharded plans (DTensor
+        reduces inside backward) average every backward, which gives the same gradients with more traffic."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
     def forward(self, *args, **kwargs):
         if self.plan is None:
             self.prepare(args, kwargs)
@@ -120,7 +135,7 @@ class ParallelModule(torch.nn.Module):
         return output
 
     def _run_eager(self, args, kwargs):
-        if self._reducer is not None and torch.is_grad_enabled():
+        if self._reducer is not None and torch.is_grad_enabled() and self._sync:
             self._reducer.arm(_first_batch_size(args, kwargs))
         return self.module(*args, **kwargs)
 

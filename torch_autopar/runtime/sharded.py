@@ -41,6 +41,11 @@ def _swap_in_optimizers(optimizer, args, kwargs) -> None:
             group["params"][index] = replacement
 
 
+def swap_sharded_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Replace, in ``optimizer``, parameters that a sharded plan has replaced (what its first step would do)."""
+    _swap_in_optimizers(optimizer, (), {})
+
+
 def _remember_replacements(before: dict, module: torch.nn.Module) -> None:
     global _HOOK
     after = dict(module.named_parameters(remove_duplicate=False))
