@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
+from torch_autopar.launch.faults import collective_failure
 from torch_autopar.rewrite import GradientReducer
 from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime.modes import get_mode
@@ -58,7 +59,7 @@ class ParallelModule(torch.nn.Module):
         self.mode = mode
         self.full_batch = full_batch
         self.broadcast_buffers = broadcast_buffers
-        self.stats: dict = {}
+        self.stats: dict = {"forward_calls": 0}
         self._planner = planner
         self._group = group
         self._distributed = False
@@ -85,7 +86,8 @@ class ParallelModule(torch.nn.Module):
             return
         if self._distributed:
             broadcast_module_state(self.module, self._group)
-            self._reducer = GradientReducer(dict(self.module.named_parameters()), plan.grad_buckets, self._group)
+            self._reducer = GradientReducer(dict(self.module.named_parameters()), plan.grad_buckets, self._group,
+                                            step=self._step)
 
     @property
     def world_size(self) -> int:
@@ -99,7 +101,26 @@ class ParallelModule(torch.nn.Module):
         """The DeviceMesh a sharded plan runs on (None for data parallelism and one process)."""
         return self._sharded.mesh if self._sharded is not None else None
 
+    @property
+    def forward_calls(self) -> int:
+        """How many times this module was called: the step a ``torch_autopar:`` error about a dead or stalled
+        rank names (step 3: the third call)."""
+        return self.stats["forward_calls"]
+
+    def _step(self) -> int:
+        return self.stats["forward_calls"]
+
     def forward(self, *args, **kwargs):
+        self.stats["forward_calls"] += 1
+        try:
+            return self._forward(args, kwargs)
+        except RuntimeError as error:
+            failure = collective_failure(error, self._step(), "forward")
+            if failure is None:
+                raise
+            raise failure from error
+
+    def _forward(self, args, kwargs):
         if self.plan is None:
             self.prepare(args, kwargs)
         split = self._distributed or self._sharded is not None
