@@ -39,12 +39,13 @@ def _read_stamp(directory, name: str) -> float:
         return float(handle.read())
 
 
-def _fault(kind: str, directory: str) -> str:
-    """Rank 1's misbehaviour: die at once, or sleep until rank 0 has given up (at most two minutes)."""
+def _fault(kind: str, directory: str, timeout: float) -> str:
+    """Rank 1's misbehaviour: die at once, or sleep until rank 0 has given up (at most a minute past the
+    timeout)."""
     _stamp(directory, "fault")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout + 60
     while not os.path.exists(os.path.join(directory, "failed")) and time.monotonic() < deadline:
         time.sleep(0.1)
     return "slept"
@@ -56,7 +57,7 @@ def _train_until_fault(rank, world, kind, strategy, mode, timeout, directory):
     optimizer = torch.optim.SGD(pmodel.parameters(), lr=0.1)
     for step in range(1, 6):
         if rank == 1 and step == FAULT_STEP:
-            return _fault(kind, directory)
+            return _fault(kind, directory, timeout or DEFAULT_TIMEOUT_S)
         x, y = support.global_batch("mlp", step)
         try:
             loss = F.mse_loss(pmodel(x.chunk(world)[rank]), y.chunk(world)[rank])
@@ -102,7 +103,10 @@ def test_killed_rank_ends_the_other_with_an_error(tmp_path, strategy, mode, phas
     assert to_error < SHORT_TIMEOUT_S, f"a dead peer should be noticed before the timeout: {to_error:.1f} s"
 
 
-@pytest.mark.parametrize("timeout", [SHORT_TIMEOUT_S, pytest.param(None, marks=pytest.mark.slow)])
+DEFAULT = pytest.param(None, marks=[pytest.mark.slow, pytest.mark.timeout(600)], id="default")
+
+
+@pytest.mark.parametrize("timeout", [SHORT_TIMEOUT_S, DEFAULT])
 def test_stalled_rank_ends_the_other_with_an_error(tmp_path, timeout):
     """None: the default timeout (5 minutes; a slow test, run with -m slow to measure it)."""
     results, to_error, to_exit = _run_fault(tmp_path, "sleep", "data_parallel", "eager", timeout)
