@@ -158,3 +158,9 @@ class Plan:
         from torch_autopar.search.explain import explain
 
         return explain(self)
+
+    def _repr_html_(self) -> str:
+        """Jupyter shows a plan as its explanation with the per-layer table as an HTML table."""
+        from torch_autopar.search.explain import explain_html
+
+        return explain_html(self)
