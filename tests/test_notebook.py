@@ -130,3 +130,19 @@ def test_launcher_refuses_bad_nprocs():
 
 def test_launcher_in_the_main_module_is_importable():
     assert "notebook_launcher" in autopar.__all__ and sys.modules["torch_autopar.launch.notebook"]
+
+
+def _listening_addresses():
+    import subprocess
+
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    mine = [line.split() for line in out.splitlines() if f"pid={os.getpid()}," in line]
+    return [fields[3] for fields in mine], os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+@pytest.mark.skipif(not pathlib.Path("/usr/bin/ss").exists() and not pathlib.Path("/bin/ss").exists(),
+                    reason="needs ss (Linux iproute2) to list listening sockets")
+def test_launched_ranks_listen_on_loopback_only():
+    for addresses, interface in autopar.notebook_launcher(_listening_addresses, nprocs=2, timeout=30):
+        assert interface == "lo"
+        assert all(address.startswith("127.0.0.1:") for address in addresses), addresses

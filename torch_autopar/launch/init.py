@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ def _bind_local_device(backend: str) -> None:
 
 
 def init(backend: str | None = None, *, timeout: float | datetime.timedelta | None = None,
-         timeout_s: float | None = None) -> bool:
+         timeout_s: float | None = None, store=None) -> bool:
     """Join the process group torchrun set up; returns True when a process group is (now) initialised.
 
     backend: None picks by hardware (see ``detect_backend``); otherwise one of "gloo", "nccl", "hccl".
@@ -69,6 +70,10 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
     ``torch_autopar:`` error naming the step and, where it can tell, the missing rank; default
     ``DEFAULT_TIMEOUT_S`` (5 minutes). ``timeout_s`` is the older spelling of the same setting. It applies to a
     process group this call creates (one that already exists keeps its own).
+    store: a c10d ``Store`` to meet on instead of connecting to MASTER_ADDR:MASTER_PORT (rank and world size
+    still come from RANK and WORLD_SIZE); ``notebook_launcher`` passes one bound to loopback.
+    With MASTER_ADDR on loopback, gloo's transport is bound to the loopback interface too (unless
+    GLOO_SOCKET_IFNAME says otherwise): a one-machine job listens on nothing another machine can reach.
     """
     if backend is not None and backend not in _VALID_BACKENDS:
         raise AutoparError(
@@ -84,9 +89,26 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
     if chosen == "hccl":
         importlib.import_module("torch_npu")
     _bind_local_device(chosen)
-    dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=seconds))
+    _bind_gloo_to_loopback(chosen)
+    where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                      "world_size": int(os.environ["WORLD_SIZE"])}
+    dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=seconds), **where)
     set_configured_timeout_s(seconds)
     return True
+
+
+_LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
+
+
+def _bind_gloo_to_loopback(backend: str) -> None:
+    """A job whose rendezvous is on loopback runs on one machine: make gloo listen on loopback only."""
+    if backend != "gloo" or os.environ.get("MASTER_ADDR") not in _LOOPBACK_ADDRESSES:
+        return
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if names:
+        os.environ["GLOO_SOCKET_IFNAME"] = names[0]
 
 
 def _timeout_seconds(timeout, timeout_s) -> float:

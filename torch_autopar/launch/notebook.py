@@ -9,6 +9,7 @@ in rank order. Must never bind anything but loopback unless told to, and never l
 
 from __future__ import annotations
 
+import datetime
 import io
 import multiprocessing
 import os
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from torch_autopar.errors import AutoparError
-from torch_autopar.launch.init import init
+from torch_autopar.launch.init import DEFAULT_TIMEOUT_S, init
 
 LOOPBACK = "127.0.0.1"
 FAILURE_GRACE_S = 10.0
@@ -56,19 +57,19 @@ def notebook_launcher(fn, args: tuple = (), nprocs: int = 2, *, backend: str | N
     Output of every rank appears here prefixed by its rank; an exception in any rank is raised here as a
     ``RankError`` whose cause is that rank's traceback (the other ranks are stopped)."""
     _check_launchable(nprocs)
-    port = master_port or _free_port(master_addr)
     context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="autopar-ranks-") as out_dir:
-        ranks = []
+    with tempfile.TemporaryDirectory(prefix="autopar-ranks-") as out_dir, _listen(master_addr, master_port) as sock:
+        port, ranks = sock.getsockname()[1], []
         for rank in range(nprocs):
             read_fd, write_fd = os.pipe()
             env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                    "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)}
             process = context.Process(target=_rank_main,
-                                      args=(fn, args, env, backend, timeout, write_fd, out_dir))
+                                      args=(fn, args, env, backend, timeout, write_fd, out_dir, sock.fileno()))
             process.start()
             os.close(write_fd)
             ranks.append((process, read_fd))
+        sock.close()  # rank 0 serves the rendezvous store on its inherited copy
         try:
             _relay_output(ranks, out_dir)
         finally:
@@ -91,20 +92,33 @@ def _check_launchable(nprocs: int) -> None:
                            "launched function.")
 
 
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
+def _listen(address: str, port: int | None) -> socket.socket:
+    """The rendezvous socket, bound to ``address`` only (loopback by default; a free port unless given): rank 0
+    serves the job's store on it, so no port is picked free and then raced for."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((address, port or 0))
+    sock.listen(128)
+    return sock
 
 
-def _rank_main(fn, args, env, backend, timeout, write_fd, out_dir) -> None:
+def _store(env: dict, listen_fd: int, timeout):
+    """The job's key-value store: served by rank 0 on the launcher's loopback socket, joined by the others."""
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else (timeout or DEFAULT_TIMEOUT_S)
+    is_server = env["RANK"] == "0"
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_server,
+                         datetime.timedelta(seconds=seconds), master_listen_fd=listen_fd if is_server else None)
+
+
+def _rank_main(fn, args, env, backend, timeout, write_fd, out_dir, listen_fd) -> None:
     """A rank: its output to the launcher's pipe, a process group, ``fn``, its result or traceback to a file."""
     _redirect_output(write_fd)
     _forget_the_kernel()
     os.environ.update(env)
-    rank = int(env["RANK"])
     try:
-        init(backend, timeout=timeout)
+        if env["RANK"] != "0":
+            os.close(listen_fd)
+        init(backend, timeout=timeout, store=_store(env, listen_fd, timeout))
         result = {"ok": True, "value": fn(*args)}
     except BaseException as error:  # reported to the notebook, which raises it
         result = {"ok": False, "type": type(error).__name__, "message": str(error),
@@ -112,7 +126,7 @@ def _rank_main(fn, args, env, backend, timeout, write_fd, out_dir) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    _write_result(out_dir, rank, result)
+    _write_result(out_dir, int(env["RANK"]), result)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -123,7 +137,7 @@ def _write_result(out_dir: str, rank: int, result: dict) -> None:
     except Exception as error:  # an unpicklable return value: say so instead of losing the rank's answer
         payload = pickle.dumps({"ok": False, "type": type(error).__name__, "traceback": "",
                                 "message": f"the function's return value could not be sent back: {error}"})
-    with open(os.path.join(out_dir, f"{int(os.environ['RANK'])}.result"), "wb") as handle:
+    with open(os.path.join(out_dir, f"{rank}.result"), "wb") as handle:
         handle.write(payload)
 
 
