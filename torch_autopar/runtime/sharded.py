@@ -84,10 +84,12 @@ class ShardedRunner:
     def run(self, args, kwargs, mode: str, backend):
         self.check_batch_sizes(args, kwargs)
         if mode != "graph":
-            return self.forward(*args, **kwargs)
+            with math_attention():
+                return self.forward(*args, **kwargs)
         if self._compiled is None:
             self._compiled = compile_own(self.forward, backend)
-        return self._compiled(*args, **kwargs)
+        with math_attention():
+            return self._compiled(*args, **kwargs)
 
     def check_batch_sizes(self, args, kwargs) -> None:
         """One 16-byte all-reduce: every rank must pass a slice of the same size (the global shape depends on it)."""
@@ -102,6 +104,14 @@ class ShardedRunner:
 
     def load_state_dict(self, state_dict, strict: bool = True):
         return placement.load_full_state_dict(self.module, state_dict, strict)
+
+
+def math_attention():
+    """Scaled-dot-product attention as plain matmul and softmax, which DTensor can shard in both directions (its
+    fused CPU kernel has no sharding rule for backward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def check_equal_slices(local_batch: int | None, world_size: int, group, consequence: str) -> None:
