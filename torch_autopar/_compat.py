@@ -23,7 +23,8 @@ from torch.utils import flop_counter as _flop_counter
 __all__ = [
     "DTensorSpec", "FakeTensor", "FakeTensorMode", "TensorMeta", "make_boxed_func",
     "export_joint", "input_kind", "grad_target", "tangent_output_index", "output_index",
-    "propagate_sharding", "node_flops", "queue_backward_callback", "default_store", "fake_store", "aot_autograd_backend",
+    "propagate_sharding", "node_flops", "queue_backward_callback", "default_store", "fake_store",
+    "aot_autograd_backend",
     "register_dynamo_backend", "functional_all_reduce_inplace", "functional_wait_tensor", "DynamoUnsupported",
 ]
 

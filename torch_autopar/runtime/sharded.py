@@ -9,6 +9,7 @@ parameter replaced by its sharded version is swapped in any optimizer that still
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -84,11 +85,11 @@ class ShardedRunner:
     def run(self, args, kwargs, mode: str, backend):
         self.check_batch_sizes(args, kwargs)
         if mode != "graph":
-            with math_attention():
+            with math_attention(self.mesh.device_type):
                 return self.forward(*args, **kwargs)
         if self._compiled is None:
             self._compiled = compile_own(self.forward, backend)
-        with math_attention():
+        with math_attention(self.mesh.device_type):
             return self._compiled(*args, **kwargs)
 
     def check_batch_sizes(self, args, kwargs) -> None:
@@ -106,9 +107,11 @@ class ShardedRunner:
         return placement.load_full_state_dict(self.module, state_dict, strict)
 
 
-def math_attention():
-    """Scaled-dot-product attention as plain matmul and softmax, which DTensor can shard in both directions (its
-    fused CPU kernel has no sharding rule for backward)."""
+def math_attention(device_type: str):
+    """On CPU, scaled-dot-product attention as plain matmul and softmax, which DTensor can shard in both
+    directions (the fused CPU kernel has no sharding rule for its backward); GPUs keep their fused kernels."""
+    if device_type != "cpu":
+        return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.MATH])
