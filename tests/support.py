@@ -23,6 +23,16 @@ def outcome(fn, *args, **kwargs) -> tuple[str, object]:
         return type(error).__name__, str(error)
 
 
+def assert_autopar_error(result, *fragments) -> None:
+    """``result`` (an ``outcome``) is an AutoparError whose message starts with "torch_autopar:" and names each
+    fragment."""
+    kind, message = result
+    assert kind == "AutoparError", f"expected an AutoparError, got {kind}: {message}"
+    assert message.startswith("torch_autopar:"), message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
 def build_model(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "uneven":  # widths that do not divide by 4 ranks: 10 hidden units, 6 outputs

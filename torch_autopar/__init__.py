@@ -6,7 +6,7 @@ Public names follow ../shared/docs/ARCHITECTURE.md (a contract: extend, never re
 from torch_autopar.api import compile, plan
 from torch_autopar.cost import HardwareProfile, profile
 from torch_autopar.errors import AutoparError
-from torch_autopar.launch import get_rank, get_world_size, init
+from torch_autopar.launch import get_rank, get_world_size, init, notebook_launcher
 from torch_autopar.runtime import ParallelModule, get_mode, mode, set_mode
 from torch_autopar.runtime.grad_norm import clip_grad_norm_
 from torch_autopar.runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -17,5 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "HardwareProfile", "Model", "StopTraining",
            "clip_grad_norm_", "ParallelModule", "Plan", "compile", "get_mode",
-           "get_rank", "get_world_size", "init", "load_checkpoint", "mode", "plan", "profile", "save_checkpoint",
-           "set_mode"]
+           "get_rank", "get_world_size", "init", "load_checkpoint", "mode", "notebook_launcher", "plan", "profile",
+           "save_checkpoint", "set_mode"]

@@ -24,7 +24,8 @@ from torch.utils import flop_counter as _flop_counter
 __all__ = [
     "DTensorSpec", "FakeTensor", "FakeTensorMode", "TensorMeta", "make_boxed_func",
     "export_joint", "input_kind", "grad_target", "tangent_output_index", "output_index",
-    "propagate_sharding", "node_flops", "queue_backward_callback", "fake_store", "aot_autograd_backend",
+    "propagate_sharding", "node_flops", "queue_backward_callback", "default_store", "fake_store",
+    "aot_autograd_backend",
     "register_dynamo_backend", "functional_all_reduce_inplace", "functional_wait_tensor", "DynamoUnsupported",
     "safe_checkpoint_reader",
 ]
@@ -160,6 +161,11 @@ def node_flops(op, args: tuple, kwargs: dict, out: Any) -> int:
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the autograd engine finishes the current backward pass (as DDP does)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def default_store():
+    """The key-value store of the default process group (the rendezvous store torchrun or init set up)."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def fake_store():

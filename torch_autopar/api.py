@@ -91,7 +91,8 @@ class _Planner:
         world = launch.get_world_size() if launch.is_initialized() else 1
         factor = 1 if self.full_batch else world
         if isinstance(self.strategy, Plan):
-            self.strategy.check_compatible(module_fingerprint(module), world)
+            self.strategy.check_compatible(module_fingerprint(module), world,
+                                           {name: tuple(p.shape) for name, p in module.named_parameters()})
             if self.strategy.is_data_parallel() or world == 1:
                 return self.strategy
             return self._as_executed(module, args, kwargs, factor)

@@ -67,19 +67,11 @@ def job():
     return run_on_ranks(_bad_inputs_job, 2, timeout_s=240)
 
 
-def _assert_autopar_error(result, *fragments):
-    kind, message = result
-    assert kind == "AutoparError", f"expected an AutoparError, got {kind}: {message}"
-    assert message.startswith("torch_autopar:"), message
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-
-
 @pytest.mark.parametrize(("mode", "stage"), [("eager", "backward"), ("graph", "forward")])
 def test_unequal_local_batches_raise(job, mode, stage):
     for rank, result in enumerate(job):
         entry = result["unequal"][mode]
-        _assert_autopar_error(entry["outcome"], "unequal size", f"this rank: {3 if rank == 0 else 2}",
+        support.assert_autopar_error(entry["outcome"], "unequal size", f"this rank: {3 if rank == 0 else 2}",
                               f"sum over 2 ranks: {UNEQUAL_GLOBAL_BATCH}")
         assert entry["stage"] == stage
         assert entry["next_equal_step"] == "ok"
@@ -90,51 +82,43 @@ def test_unequal_local_batches_raise(job, mode, stage):
     "graph"])
 def test_unequal_local_batches_raise_for_a_bfloat16_model(job, mode):
     for result in job:
-        _assert_autopar_error(result["unequal_bfloat16"][mode]["outcome"], "unequal size")
+        support.assert_autopar_error(result["unequal_bfloat16"][mode]["outcome"], "unequal size")
 
 
 def test_full_batch_with_indivisible_global_batch_raises(job):
     for result in job:
-        _assert_autopar_error(result["full_batch_indivisible"], "full_batch=True", "5")
+        support.assert_autopar_error(result["full_batch_indivisible"], "full_batch=True", "5")
 
 
 @pytest.mark.parametrize("key", ["mesh_too_large", "mesh_2d_too_large"])
 def test_mesh_not_covering_the_job_raises(job, key):
     for result in job:
-        _assert_autopar_error(result[key], "4 devices", "2 ranks")
+        support.assert_autopar_error(result[key], "4 devices", "2 ranks")
+
+
+def _assert_branchy_equals_one_process(job, key):
+    ref_losses, ref_params = support.reference_run("branchy", "sgd")
+    results = [result[key] for result in job]
+    assert all(kind == "ok" for kind, _ in results), results
+    mean = [sum(value[0][s] for _, value in results) / len(results) for s in range(support.STEPS)]
+    support.assert_losses_close(mean, ref_losses, what=key)
+    for rank, (_, (_, params)) in enumerate(results):
+        support.assert_params_close(params, ref_params, what=f"{key} rank {rank}")
 
 
 def test_data_dependent_control_flow_trains_in_eager_mode_with_a_plan(job):
     """A plan made for a model with the same parameters skips capture; eager runs the Python branch."""
-    ref_losses, ref_params = support.reference_run("branchy", "sgd")
-    results = [result["branchy_plan_eager"] for result in job]
-    assert all(kind == "ok" for kind, _ in results), results
-    mean = [sum(value[0][s] for _, value in results) / len(results) for s in range(support.STEPS)]
-    support.assert_losses_close(mean, ref_losses, what="branchy eager")
-    for rank, (_, (_, params)) in enumerate(results):
-        support.assert_params_close(params, ref_params, what=f"branchy eager rank {rank}")
+    _assert_branchy_equals_one_process(job, "branchy_plan_eager")
 
 
 def test_data_dependent_control_flow_trains_in_graph_mode_in_compiled_pieces(job):
     """Data parallelism in graph mode runs the pieces dynamo compiles with the Python branch in between, as
     torch.compile does (every step's branch is the same on each rank's slice and on the whole batch)."""
-    ref_losses, ref_params = support.reference_run("branchy", "sgd")
-    results = [result["branchy_plan_graph"] for result in job]
-    assert all(kind == "ok" for kind, _ in results), results
-    mean = [sum(value[0][s] for _, value in results) / len(results) for s in range(support.STEPS)]
-    support.assert_losses_close(mean, ref_losses, what="branchy graph")
-    for rank, (_, (_, params)) in enumerate(results):
-        support.assert_params_close(params, ref_params, what=f"branchy graph rank {rank}")
+    _assert_branchy_equals_one_process(job, "branchy_plan_graph")
 
 
 def test_data_dependent_control_flow_trains_in_eager_mode_with_explicit_strategy(job):
-    ref_losses, ref_params = support.reference_run("branchy", "sgd")
-    results = [result["branchy_data_parallel_eager"] for result in job]
-    assert all(kind == "ok" for kind, _ in results), results
-    mean = [sum(value[0][s] for _, value in results) / len(results) for s in range(support.STEPS)]
-    support.assert_losses_close(mean, ref_losses, what="branchy eager")
-    for rank, (_, (_, params)) in enumerate(results):
-        support.assert_params_close(params, ref_params, what=f"branchy eager rank {rank}")
+    _assert_branchy_equals_one_process(job, "branchy_data_parallel_eager")
 
 
 def test_graph_mode_runs_data_dependent_control_flow_with_default_strategy():

@@ -7,6 +7,7 @@ what large kernels reach in practice. Profiles load from and save to JSON so a m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -51,11 +52,46 @@ class HardwareProfile:
         return json.dumps(asdict(self), indent=2)
 
     @staticmethod
-    def from_dict(data: dict) -> "HardwareProfile":
+    def from_dict(data: dict, where: str = "hardware profile") -> "HardwareProfile":
+        """A profile from JSON data (``to_json``'s fields); a clear error names missing or unknown fields."""
+        _check_profile_fields(data, where)
         data = dict(data)
         data["intra_node"] = Link(**data["intra_node"])
         data["inter_node"] = Link(**data["inter_node"])
         return HardwareProfile(**data)
+
+
+def _missing_and_unknown(data: dict, cls, prefix: str = "") -> tuple[list[str], list[str]]:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    missing = [prefix + n for n in required if n not in data]
+    unknown = [prefix + n for n in data if n not in fields]
+    for link in ("intra_node", "inter_node"):
+        if cls is HardwareProfile and isinstance(data.get(link), dict):
+            more_missing, more_unknown = _missing_and_unknown(data[link], Link, f"{link}.")
+            missing, unknown = missing + more_missing, unknown + more_unknown
+    return missing, unknown
+
+
+def _check_profile_fields(data, where: str) -> None:
+    """Raise a clear error unless ``data`` has every field a profile needs (and no other), numbers where
+    numbers go, and a "float32" entry in ``flops``."""
+    if not isinstance(data, dict):
+        raise AutoparError(f"{where}: expected a JSON object written by autopar.profile(path) or "
+                           f"HardwareProfile.to_json(), found a {type(data).__name__}.")
+    missing, unknown = _missing_and_unknown(data, HardwareProfile)
+    bad_links = [n for n in ("intra_node", "inter_node") if n in data and not isinstance(data[n], dict)]
+    flops = data.get("flops", {"float32": 1.0})
+    if not isinstance(flops, dict) or not isinstance(flops.get("float32"), (int, float)):
+        missing.append("flops.float32")
+    if missing or unknown or bad_links:
+        found = "; ".join(f"{what} {names}" for what, names in (("missing fields", missing), ("unknown fields",
+                          unknown), ("not objects of latency_s and bandwidth", bad_links)) if names)
+        raise AutoparError(
+            f"{where} is not a complete hardware profile ({found}). Expected the fields autopar.profile(path) "
+            f"writes, e.g. {_EXAMPLE_FIELDS}. Measure it again with autopar.profile(path), or add the fields "
+            "(a built-in profile's values: autopar.HardwareProfile fields, e.g. PROFILES['h100'].to_json()).")
 
 
 _GB = 1e9
@@ -95,6 +131,10 @@ PROFILES: dict[str, HardwareProfile] = {
 }
 
 
+_EXAMPLE_FIELDS = ("name, flops {\"float32\": ...}, memory_bandwidth, memory_bytes, devices_per_node, "
+                   "intra_node {latency_s, bandwidth}, inter_node {latency_s, bandwidth}")
+
+
 def get_profile(hardware) -> HardwareProfile:
     """A profile from a built-in name, a JSON file path, or a ``HardwareProfile``; None → "cpu-gloo"."""
     if hardware is None:
@@ -104,9 +144,23 @@ def get_profile(hardware) -> HardwareProfile:
     if isinstance(hardware, str) and hardware in PROFILES:
         return PROFILES[hardware]
     if isinstance(hardware, (str, os.PathLike)) and os.path.isfile(hardware):
-        with open(hardware) as handle:
-            return HardwareProfile.from_dict(json.load(handle))
+        return _load_profile(hardware)
     raise AutoparError(
         f"hardware={hardware!r}: expected one of {sorted(PROFILES)}, a path to a profile JSON file, or a "
         "HardwareProfile."
     )
+
+
+def _load_profile(path) -> HardwareProfile:
+    """A profile from a JSON file (plain JSON: nothing in it is executed or unpickled)."""
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as error:  # ValueError: bad JSON or UTF-8
+        raise AutoparError(f"hardware={str(path)!r}: could not read a profile ({type(error).__name__}: {error}); "
+                           "expected a JSON file written by autopar.profile(path).") from error
+    try:
+        return HardwareProfile.from_dict(data, where=f"hardware={str(path)!r}")
+    except TypeError as error:  # a field of the wrong type reaching the dataclass
+        raise AutoparError(f"hardware={str(path)!r}: {error}; expected the JSON autopar.profile(path) "
+                           "writes.") from error

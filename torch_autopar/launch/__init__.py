@@ -12,3 +12,7 @@ from torch_autopar.launch.mesh import (  # noqa: E402
     check_mesh_shape, default_axis_names, device_type, offline_mesh, resolve_mesh)
 
 __all__ += ["check_mesh_shape", "default_axis_names", "device_type", "offline_mesh", "resolve_mesh"]
+
+from torch_autopar.launch.notebook import notebook_launcher  # noqa: E402
+
+__all__ += ["notebook_launcher"]

@@ -4,7 +4,8 @@ Each parameter's post-accumulate-grad hook marks it ready; a bucket's all-reduce
 soon as it and every earlier bucket are ready, so every rank starts buckets in the same order and
 communication overlaps the rest of backward. At the end of backward the results are waited for and written
 back as averages. The local batch size rides along in the first bucket, so ranks that were given unequal
-slices (which would make the average gradient wrong) raise a clear error instead. Must never change the
+slices (which would make the average gradient wrong) raise a clear error instead. An all-reduce that fails
+because another rank died or stalled raises a ``torch_autopar:`` error naming the step. Must never change the
 forward computation.
 """
 
@@ -15,16 +16,21 @@ import torch.distributed as dist
 
 from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
+from torch_autopar.launch.faults import collective_failure
+
+_PHASE = "backward: gradient all-reduce"
 
 
 class GradientReducer:
     def __init__(self, named_params: dict[str, torch.nn.Parameter], buckets: list[list[str]],
-                 group: dist.ProcessGroup | None):
+                 group: dist.ProcessGroup | None, *, step=None):
+        """step: a callable giving the step number that errors about dead or stalled ranks name."""
         listed = {name for bucket in buckets for name in bucket}
         trailing = [name for name, p in named_params.items() if p.requires_grad and name not in listed]
         self.buckets = [[named_params[n] for n in bucket] for bucket in buckets + ([trailing] if trailing else [])]
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.group = group
+        self._step = step or (lambda: 0)
         self.world_size = dist.get_world_size(group)
         self.local_batch: int | None = None
         self._armed = False
@@ -44,6 +50,21 @@ class GradientReducer:
         self._callback_queued = False
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._translating_failures(self._mark_ready, param)
+
+    def _finish(self) -> None:
+        self._translating_failures(self._finish_all)
+
+    def _translating_failures(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except RuntimeError as error:
+            failure = collective_failure(error, self._step(), _PHASE)
+            if failure is None:
+                raise
+            raise failure from error
+
+    def _mark_ready(self, param: torch.Tensor) -> None:
         if not self._armed:
             return
         if not getattr(self, "_callback_queued", False):
@@ -75,7 +96,7 @@ class GradientReducer:
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._launched.append((work, flat, with_batch))
 
-    def _finish(self) -> None:
+    def _finish_all(self) -> None:
         self._armed = False
         self._callback_queued = False
         while len(self._launched) < len(self.buckets):

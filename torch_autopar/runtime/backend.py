@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torch_autopar import _compat
+from torch_autopar.launch.faults import collective_failure
 from torch_autopar.rewrite import GradSyncPass
 
 BACKEND_NAME = "autopar"
@@ -23,6 +24,24 @@ BACKEND_NAME = "autopar"
 
 def _run_graph(gm: torch.fx.GraphModule, example_inputs):
     return _compat.make_boxed_func(gm.forward)
+
+
+def guarded(boxed, stats: dict, phase: str):
+    """``boxed`` (a compiled graph) with a collective's failure turned into a ``torch_autopar:`` error naming
+    the step (``stats["forward_calls"]``) and ``phase``: a backward graph runs inside ``loss.backward()``, where
+    the module's own forward cannot catch it."""
+
+    def run(args):
+        try:
+            return boxed(args)
+        except RuntimeError as error:
+            failure = collective_failure(error, stats.get("forward_calls", 0), phase)
+            if failure is None:
+                raise
+            raise failure from error
+
+    run._boxed_call = True
+    return run
 
 
 def autopar_backend(gm: torch.fx.GraphModule, example_inputs):
@@ -51,7 +70,8 @@ def data_parallel_backend(named_params: dict[str, torch.nn.Parameter], buckets: 
             result = grad_pass(bw_gm)
             stats["all_reduces_per_backward"] = stats.get("all_reduces_per_backward", 0) + result.all_reduces
             stats["synced_bytes_per_backward"] = stats.get("synced_bytes_per_backward", 0) + result.synced_bytes
-            return _compat.make_boxed_func(result.graph_module.forward)
+            return guarded(_compat.make_boxed_func(result.graph_module.forward), stats,
+                           "backward: gradient all-reduce")
 
         return _compat.aot_autograd_backend(_run_graph, bw_compiler)(gm, example_inputs)
 
@@ -81,7 +101,7 @@ def sharded_backend(stats: dict):
     def compiler(phase):
         def compile_graph(gm: torch.fx.GraphModule, example_inputs):
             recorded[phase] = graph_collectives(gm)
-            return _compat.make_boxed_func(gm.forward)
+            return guarded(_compat.make_boxed_func(gm.forward), stats, phase)
         return compile_graph
 
     def backend(gm: torch.fx.GraphModule, example_inputs):

@@ -17,8 +17,10 @@ import torch.utils._pytree as pytree
 
 from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
+from torch_autopar.launch.faults import collective_failure
 from torch_autopar.rewrite import GradientReducer
 from torch_autopar.runtime import backend as backends
+from torch_autopar.runtime import checks
 from torch_autopar.runtime.modes import get_mode
 from torch_autopar.runtime.sharded import ShardedRunner, check_equal_slices
 from torch_autopar.search import Plan
@@ -60,7 +62,7 @@ class ParallelModule(torch.nn.Module):
         self.mode = mode
         self.full_batch = full_batch
         self.broadcast_buffers = broadcast_buffers
-        self.stats: dict = {}
+        self.stats: dict = {"forward_calls": 0}
         self._planner = planner
         self._group = group
         self._distributed = False
@@ -68,6 +70,8 @@ class ParallelModule(torch.nn.Module):
         self._reducer = None
         self._sharded: ShardedRunner | None = None
         self._sync = True
+        self._input_check: checks.InputCheck | None = None
+        self._param_ids: dict[str, int] = {}
         if plan is not None:
             self._set_up(plan)
 
@@ -75,6 +79,8 @@ class ParallelModule(torch.nn.Module):
         """Plan (if not done yet) from one call's inputs and set up this rank's execution."""
         if self.plan is None:
             self._set_up(self._planner(self.module, args, kwargs))
+        if self._input_check is None:
+            self._input_check = checks.InputCheck(checks.input_specs(args, kwargs), type(self.module).__name__)
         return self.plan
 
     def _set_up(self, plan: Plan) -> None:
@@ -85,10 +91,11 @@ class ParallelModule(torch.nn.Module):
             if self._group is not None and dist.get_world_size(self._group) != dist.get_world_size():
                 raise AutoparError("a sharded plan runs on all ranks of the job; pass group=None.")
             self._sharded = ShardedRunner(self.module, plan)
-            return
-        if self._distributed:
+        elif self._distributed:
             broadcast_module_state(self.module, self._group)
-            self._reducer = GradientReducer(dict(self.module.named_parameters()), plan.grad_buckets, self._group)
+            self._reducer = GradientReducer(dict(self.module.named_parameters()), plan.grad_buckets, self._group,
+                                            step=self._step)
+        self._param_ids = checks.parameter_ids(self.module)
 
     @property
     def world_size(self) -> int:
@@ -113,16 +120,34 @@ class ParallelModule(torch.nn.Module):
             yield
         finally:
             self._sync = previous
+    @property
+    def forward_calls(self) -> int:
+        """How many times this module was called: the step a ``torch_autopar:`` error about a dead or stalled
+        rank names (step 3: the third call)."""
+        return self.stats["forward_calls"]
+
+    def _step(self) -> int:
+        return self.stats["forward_calls"]
 
     def forward(self, *args, **kwargs):
-        if self.plan is None:
-            self.prepare(args, kwargs)
+        self.stats["forward_calls"] += 1
+        try:
+            return self._forward(args, kwargs)
+        except RuntimeError as error:
+            failure = collective_failure(error, self._step(), "forward")
+            if failure is None:
+                raise
+            raise failure from error
+
+    def _forward(self, args, kwargs):
+        self.prepare(args, kwargs)
         split = self._distributed or self._sharded is not None
+        mode = self.mode or get_mode()
+        self._check_call(args, kwargs, split, mode)
         if self.full_batch and split:
             args, kwargs = self._local_slice(args, kwargs)
         if self._distributed and self.broadcast_buffers:
             self._broadcast_buffers()
-        mode = self.mode or get_mode()
         if self._sharded is not None:
             try:
                 output = self._sharded.run(args, kwargs, mode, backends.sharded_backend(self.stats))
@@ -133,6 +158,14 @@ class ParallelModule(torch.nn.Module):
         if self.full_batch and split:
             output = pytree.tree_map(self._gather_batch, output)
         return output
+
+    def _check_call(self, args, kwargs, split: bool, mode: str) -> None:
+        """This call's inputs are like the planned ones; parameters unchanged; one full batch on all ranks."""
+        self._input_check.check(args, kwargs, mode)
+        if split:
+            checks.check_parameters_unchanged(self.module, self._param_ids)
+        if split and self.full_batch:
+            checks.check_same_full_batch(args, kwargs, self._group, self.world_size)
 
     def _run_eager(self, args, kwargs):
         if self._reducer is not None and torch.is_grad_enabled() and self._sync:

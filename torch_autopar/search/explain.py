@@ -1,6 +1,9 @@
-"""Human-readable explanation of a Plan: per-layer table, collectives, totals, replicated ops."""
+"""Human-readable explanation of a Plan: per-layer table, collectives, totals, replicated ops; as text
+(``plan.explain()``) or as an HTML table (``plan._repr_html_()``, what Jupyter shows for a plan)."""
 
 from __future__ import annotations
+
+import html
 
 
 def _bytes(n: float) -> str:
@@ -57,3 +60,23 @@ def explain(plan) -> str:
         lines.append("ops replicated for lack of a sharding rule: none")
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+_HTML_COLUMNS = ("layer", "params", "placement", "compute", "comm", "grad sync", "memory")
+
+
+def _html_row(cells, tag: str = "td") -> str:
+    return "<tr>" + "".join(f"<{tag}>{html.escape(str(cell))}</{tag}>" for cell in cells) + "</tr>"
+
+
+def explain_html(plan) -> str:
+    """The per-layer table as an HTML table, the rest of ``explain`` (header, collectives, totals) around it."""
+    lines = explain(plan).splitlines()
+    rows = [_html_row(_HTML_COLUMNS, "th")]
+    rows += [_html_row((row.name, f"{row.num_params:,}", row.placements, _seconds(row.compute_s),
+                        _seconds(row.comm_s), _bytes(row.grad_sync_bytes), _bytes(row.memory_bytes)))
+             for row in plan.layers]
+    rest = lines[len(plan.layers) + 2:]
+    return (f"<div class=\"torch-autopar-plan\"><p><b>{html.escape(lines[0])}</b></p>"
+            f"<table>{''.join(rows)}</table>"
+            f"<pre>{html.escape(chr(10).join(rest))}</pre></div>")

@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from torch_autopar.errors import AutoparError
+from torch_autopar.search.plan_check import check_fields, check_shard_dims, check_values
 
 PLAN_FORMAT_VERSION = 1
 
@@ -99,8 +100,10 @@ class Plan:
         """Bytes per rank moved by collectives in one step."""
         return sum(c.nbytes * c.count for c in self.collectives)
 
-    def check_compatible(self, fingerprint: str, world_size: int) -> None:
-        """Raise a clear error when this plan was made for another model or another number of ranks."""
+    def check_compatible(self, fingerprint: str, world_size: int, shapes: dict | None = None) -> None:
+        """Raise a clear error when this plan was made for another model or another number of ranks.
+
+        shapes: parameter name → shape, to check each 'S(dim)' names a dim of its parameter (hand edits)."""
         if fingerprint != self.fingerprint:
             raise AutoparError(
                 f"this plan was made for another model (fingerprint {self.fingerprint}, this model has "
@@ -112,6 +115,8 @@ class Plan:
                 f"this plan needs {self.world_size} ranks (mesh {self.mesh_shape}) but the job has {world_size}; "
                 "launch with a matching --nproc-per-node or plan again for this world size."
             )
+        if shapes is not None:
+            check_shard_dims(self.param_placements, shapes)
 
     def save(self, path) -> None:
         with open(path, "w") as handle:
@@ -138,6 +143,8 @@ class Plan:
                 f"plan format version {data.get('version')!r} is not supported (expected {PLAN_FORMAT_VERSION}); "
                 "plan again with this version of torch_autopar."
             )
+        check_fields(data, Plan)
+        check_values(data)
         data = dict(data)
         data["mesh_shape"] = tuple(data["mesh_shape"])
         data["axis_names"] = tuple(data["axis_names"])
@@ -151,3 +158,9 @@ class Plan:
         from torch_autopar.search.explain import explain
 
         return explain(self)
+
+    def _repr_html_(self) -> str:
+        """Jupyter shows a plan as its explanation with the per-layer table as an HTML table."""
+        from torch_autopar.search.explain import explain_html
+
+        return explain_html(self)

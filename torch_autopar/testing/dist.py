@@ -2,8 +2,9 @@
 
 ``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes, initialises gloo with a
 ``timeout_s`` for every collective, calls ``fn(rank, world_size, *args)`` in each, and returns the per-rank
-results in rank order. A rank that raises, hangs or dies fails the whole call with that rank's traceback;
-nothing is left running. Must never be imported by library code.
+results in rank order. A rank that raises, hangs or dies fails the whole call with that rank's traceback
+(``allow_death=True``: a rank killed on purpose gives None instead, and the others run on); nothing is left
+running. Must never be imported by library code.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, timeout_s, fn, args, out_dir, env):
+def _worker(rank, world_size, port, timeout_s, fn, args, out_dir, env, init):
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -38,8 +39,9 @@ def _worker(rank, world_size, port, timeout_s, fn, args, out_dir, env):
     torch.set_num_threads(1)
     result = {"ok": False}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         result = {"ok": True, "value": fn(rank, world_size, *args)}
     except BaseException:  # reported to the parent, which fails the test with it
         result = {"ok": False, "error": traceback.format_exc()}
@@ -54,24 +56,35 @@ class RankFailure(AssertionError):
     pass
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, env: dict | None = None) -> list:
+def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, env: dict | None = None,
+                 init: bool = True, allow_death: bool = False) -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order.
 
+    init: False leaves the process group to ``fn`` (e.g. ``autopar.init(timeout=...)``; the torchrun variables
+    are set). allow_death: a rank that ends without a result (killed by a signal) gives None rather than
+    failing the call, and the others are waited for (up to ``timeout_s`` + 60 s).
     The rendezvous port is picked free and released before the ranks bind it; if another process took it in
     between ("address already in use"), the job is started once more on a new port."""
+    options = (timeout_s, env or {}, init, allow_death)
     try:
-        return _run_once(fn, world_size, args, timeout_s, env)
+        return _run_once(fn, world_size, args, *options)
     except RankFailure as error:
         if "address already in use" not in str(error).lower() and "eaddrinuse" not in str(error).lower():
             raise
-        return _run_once(fn, world_size, args, timeout_s, env)
+        return _run_once(fn, world_size, args, *options)
 
 
-def _run_once(fn, world_size: int, args: tuple, timeout_s: float, env: dict | None) -> list:
+def _run_once(fn, world_size: int, args: tuple, timeout_s: float, env: dict, init: bool, allow_death: bool) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_worker, args=(world_size, _free_port(), timeout_s, fn, args, out_dir, env or {}),
+        context = mp.start_processes(_worker, args=(world_size, _free_port(), timeout_s, fn, args, out_dir, env, init),
                                      nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s + 60
+        if allow_death:
+            try:
+                _wait_each(context.processes, deadline, out_dir, world_size)
+            finally:
+                _kill_alive(context.processes)
+            return _collect(out_dir, world_size, missing_ok=True)
         try:
             while not context.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
@@ -84,10 +97,21 @@ def _run_once(fn, world_size: int, args: tuple, timeout_s: float, env: dict | No
         except Exception as error:
             raise RankFailure(_collect_errors(out_dir, world_size) or str(error)) from error
         finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
+            _kill_alive(context.processes)
         return _collect(out_dir, world_size)
+
+
+def _wait_each(processes, deadline: float, out_dir: str, world_size: int) -> None:
+    for process in processes:
+        process.join(max(0.1, deadline - time.monotonic()))
+        if process.is_alive():
+            raise RankFailure(f"ranks still running at the deadline: killed. {_collect_errors(out_dir, world_size)}")
+
+
+def _kill_alive(processes) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
 
 
 def _collect_errors(out_dir: str, world_size: int) -> str:
@@ -102,10 +126,13 @@ def _collect_errors(out_dir: str, world_size: int) -> str:
     return "\n".join(messages)
 
 
-def _collect(out_dir: str, world_size: int) -> list:
+def _collect(out_dir: str, world_size: int, missing_ok: bool = False) -> list:
     results, errors = [], []
     for rank in range(world_size):
         path = os.path.join(out_dir, f"{rank}.pkl")
+        if not os.path.exists(path) and missing_ok:
+            results.append(None)
+            continue
         if not os.path.exists(path):
             errors.append(f"rank {rank}: no result (killed or timed out)")
             continue
