@@ -59,6 +59,8 @@ PARTS = (
          note="measured speed vs DDP / FSDP2 / parallelize_module"),
     Part(name="fidelity", script="bench_fidelity.py", results=("fidelity.json",), timeout_s=420,
          note="cost-model fidelity: predicted vs measured step time"),
+    Part(name="models", script="bench_models.py", results=("models.json",), timeout_s=300,
+         note="capture time and joint-graph size of transformers models; LLaMA-3-8B (transformers) planned on meta"),
     Part(name="plan", script="bench_plan.py", results=("plan.json",), timeout_s=400, default=False,
          note="older plan-quality bench: GPT-2-XL / LLaMA-3-8B on h100, search time of LLaMA-3-70B on 8x8x16"),
 )
