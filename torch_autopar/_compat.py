@@ -572,3 +572,16 @@ def safe_checkpoint_reader(path: str):
             return metadata
 
     return SafeReader(path)
+
+
+def measured_peak_bytes(module: torch.nn.Module, step: Callable[[], Any]) -> int:
+    """Peak bytes allocated on the module's device while ``step()`` runs (parameters, gradients, activations,
+    temporaries), from PyTorch's ``MemTracker`` (works on CPU)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(module)
+    with tracker:
+        step()
+    snapshot = tracker.get_tracker_snapshot("peak")
+    return max(int(per_device["Total"]) for per_device in snapshot.values())

@@ -17,7 +17,7 @@ from torch_autopar.capture.fold import folded_layers
 from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import get_profile
 from torch_autopar.errors import AutoparError
-from torch_autopar.runtime import ParallelModule
+from torch_autopar.runtime import ParallelModule, recompute
 from torch_autopar.runtime.modes import MODES, get_mode
 from torch_autopar.search import Plan, build_plan, check_strategy
 from torch_autopar.search.planner import Planner, plan_from_parameters
@@ -144,13 +144,16 @@ def _check_options(strategy, mode, mesh) -> None:
 
 def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memory_budget=None, hardware=None,
             mode=None, full_batch: bool = False, example_kwargs=None,
-            bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES):
+            bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, activation_checkpointing=None):
     """Plan ``model`` for this job's ranks and return a module that runs the plan (also a class decorator).
 
     example_inputs: what this rank will pass (its slice of the global batch); None plans at the first call.
+    activation_checkpointing: None, "full" or "selective" (runtime.recompute): recompute the repeated layers'
+    activations in backward (all of them, or all but matmul and attention outputs) to save memory.
     """
     options = dict(mesh=mesh, strategy=strategy, memory_budget=memory_budget, hardware=hardware, mode=mode,
-                   full_batch=full_batch, bucket_cap_bytes=bucket_cap_bytes)
+                   full_batch=full_batch, bucket_cap_bytes=bucket_cap_bytes,
+                   activation_checkpointing=activation_checkpointing)
     if model is None:
         return lambda target: compile(target, example_inputs, example_kwargs=example_kwargs, **options)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
@@ -160,6 +163,7 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     _check_options(strategy, mode, mesh)
     if isinstance(mesh, int):
         options["mesh"] = (mesh,)
+    recompute.apply_activation_checkpointing(model, activation_checkpointing)
     planner = _Planner(options["mesh"], strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode)
     parallel = ParallelModule(model, planner=planner, mode=mode, full_batch=full_batch)
     if example_inputs is not None or example_kwargs:

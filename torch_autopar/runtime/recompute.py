@@ -1,0 +1,84 @@
+"""Activation checkpointing: recompute activations in backward instead of keeping them from the forward.
+
+``apply_activation_checkpointing(module, "full" | "selective")`` wraps every repeated layer (each element of an
+``nn.ModuleList`` of same-class modules with parameters: the transformer blocks) in non-reentrant
+``torch.utils.checkpoint``: the layer keeps only its inputs for backward and runs its forward again there.
+"selective" keeps the outputs of the expensive ops (matmuls, attention) and recomputes only the cheap ones
+(elementwise, norms), through ``create_selective_checkpoint_contexts``. The same wrapping serves eager mode and
+graph mode (dynamo traces checkpointed regions and recomputes them in the compiled backward), so the numbers are
+those of the plain model. Parameter and module names do not change (the layer's ``forward`` is wrapped in place),
+so plans, state dicts and checkpoints stay valid. Must never change what a layer computes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from torch_autopar.errors import AutoparError
+
+POLICIES = (None, "full", "selective")
+
+_aten = torch.ops.aten
+SAVED_BY_SELECTIVE = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+}
+"""Ops whose outputs "selective" keeps: the ones that cost FLOPs to redo (torchtitan's choice, minus its every
+other matmul rule)."""
+
+
+def check_policy(policy) -> None:
+    if policy not in POLICIES:
+        raise AutoparError(f"activation_checkpointing={policy!r}: expected one of {POLICIES} (None: keep every "
+                           "activation; 'full': recompute each repeated layer; 'selective': keep matmul and "
+                           "attention outputs, recompute the rest).")
+
+
+def repeated_layers(module: nn.Module) -> list[nn.Module]:
+    """Every element of each ``nn.ModuleList`` whose elements are of one class and hold parameters."""
+    layers = []
+    for child in module.modules():
+        if isinstance(child, nn.ModuleList) and len(child) > 0 and len({type(m) for m in child}) == 1:
+            layers.extend(m for m in child if any(True for _ in m.parameters()))
+    return layers
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(forward, policy: str):
+    options = {"use_reentrant": False}
+    if policy == "selective":
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # nothing is kept for backward anyway
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, **options, **kwargs)
+
+    run._autopar_checkpointed = policy
+    return run
+
+
+def apply_activation_checkpointing(module: nn.Module, policy) -> list[nn.Module]:
+    """Wrap each repeated layer's forward as ``policy`` says; returns the wrapped layers. Idempotent."""
+    check_policy(policy)
+    if policy is None:
+        return []
+    layers = repeated_layers(module)
+    if not layers:
+        raise AutoparError(f"activation_checkpointing={policy!r}: {type(module).__name__} has no repeated layers "
+                           "(an nn.ModuleList of same-class blocks with parameters) to recompute; keep the "
+                           "blocks in an nn.ModuleList, or leave activation_checkpointing=None.")
+    for layer in layers:
+        current = layer.forward
+        if getattr(current, "_autopar_checkpointed", None) is None:
+            layer.forward = _checkpointed(current, policy)
+    return layers
