@@ -23,6 +23,21 @@ def outcome(fn, *args, **kwargs) -> tuple[str, object]:
         return type(error).__name__, str(error)
 
 
+def assert_ranks_equal_one_process(outcomes: list, reference: tuple, what: str) -> dict:
+    """``outcomes``: each rank's ``outcome`` of a run returning {"losses": [...], "params": {...}};
+    ``reference``: (losses, params) of one process. The mean loss over ranks of every step and each rank's full
+    parameters must equal the reference. Returns rank 0's run."""
+    ref_losses, ref_params = reference
+    for rank, (status, run) in enumerate(outcomes):
+        assert status == "ok", f"rank {rank} {what}: {status}: {run}"
+    runs = [run for _, run in outcomes]
+    mean = [sum(run["losses"][s] for run in runs) / len(runs) for s in range(len(ref_losses))]
+    assert_losses_close(mean, ref_losses, what=what)
+    for rank, run in enumerate(runs):
+        assert_params_close(run["params"], ref_params, what=f"rank {rank} {what}")
+    return runs[0]
+
+
 def assert_autopar_error(result, *fragments) -> None:
     """``result`` (an ``outcome``) is an AutoparError whose message starts with "torch_autopar:" and names each
     fragment."""

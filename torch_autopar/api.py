@@ -17,6 +17,7 @@ from torch_autopar.capture.fold import folded_layers
 from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import get_profile
 from torch_autopar.errors import AutoparError
+from torch_autopar.rewrite.placement import batch_size
 from torch_autopar.runtime import ParallelModule, recompute
 from torch_autopar.runtime.modes import MODES, get_mode
 from torch_autopar.search import Plan, build_plan, check_strategy
@@ -35,13 +36,6 @@ def module_fingerprint(module: torch.nn.Module) -> str:
     return params_fingerprint({name: TensorInfo.of(p) for name, p in module.named_parameters()})
 
 
-def _global_batch(args, kwargs) -> int | None:
-    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1:
-            return int(leaf.shape[0])
-    return None
-
-
 def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes,
                   executable: bool, solver: str = "auto", fold_layers: bool = False, mode: str = "eager"):
     started = time.perf_counter()
@@ -52,7 +46,7 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
     names = mesh.mesh_dim_names or launch.default_axis_names(mesh.ndim)
     result = build_plan(program, mesh, names, strategy=strategy, hardware=get_profile(hardware),
                         memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
-                        global_batch=_global_batch(fake_args, fake_kwargs), executable=executable, solver=solver,
+                        global_batch=batch_size(fake_args, fake_kwargs), executable=executable, solver=solver,
                         folding=folding, mode=mode)
     result.search_stats.update({"capture_s": captured - started, "total_s": time.perf_counter() - started})
     return result
@@ -114,7 +108,7 @@ class _Planner:
         program = capture(module, fake_args, fake_kwargs)
         hardware = plan.hardware if plan.hardware != "unknown" else (self.hardware or "cpu-gloo")
         planner = Planner(program, mesh, plan.axis_names, hardware=get_profile(hardware),
-                          global_batch=_global_batch(fake_args, fake_kwargs), mode=self._mode())
+                          global_batch=batch_size(fake_args, fake_kwargs), mode=self._mode())
         return planner.executed(plan)
 
     def _plan_with_graph(self, module, args, kwargs, world, factor) -> Plan:
@@ -134,7 +128,7 @@ class _Planner:
 
 
 def _check_options(strategy, mode, mesh) -> None:
-    check_strategy(strategy, executable=True)
+    check_strategy(strategy)
     if mode is not None and mode not in MODES:
         raise AutoparError(f"mode={mode!r}: expected one of {MODES} or None (use the global mode).")
     world = launch.get_world_size() if launch.is_initialized() else 1

@@ -148,14 +148,7 @@ def _reference(name):
 
 
 def _assert_equal_to_one_process(job, case):
-    ref_losses, ref_params = _reference(case[0])
-    for rank, result in enumerate(job):
-        status, run = result[case]
-        assert status == "ok", f"rank {rank} {case}: {status}: {run}"
-        mean_losses = [sum(r[case][1]["losses"][s] for r in job) / len(job) for s in range(STEPS)]
-        support.assert_losses_close(mean_losses, ref_losses, what=f"{case}")
-        support.assert_params_close(run["params"], ref_params, what=f"rank {rank} {case}")
-    return job[0][case][1]
+    return support.assert_ranks_equal_one_process([result[case] for result in job], _reference(case[0]), str(case))
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])

@@ -86,7 +86,7 @@ def _run(rank, world, strategy, mode, policy):
                              activation_checkpointing=policy)
     losses = _train(pmodel, rank, world)
     state = pmodel.state_dict()
-    return losses, {n: state[n].clone() for n, _ in model.named_parameters()}
+    return {"losses": losses, "params": {n: state[n].clone() for n, _ in model.named_parameters()}}
 
 
 def _job(rank, world):
@@ -106,11 +106,4 @@ def _reference():
 
 @pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_equals_one_process_on_two_ranks(job, case):
-    ref_losses, ref_params = _reference()
-    outcomes = [result[case] for result in job]
-    for rank, (status, value) in enumerate(outcomes):
-        assert status == "ok", f"rank {rank} {case}: {status}: {value}"
-    mean = [sum(value[0][s] for _, value in outcomes) / len(outcomes) for s in range(3)]
-    support.assert_losses_close(mean, ref_losses, what=str(case))
-    for rank, (_, (_, params)) in enumerate(outcomes):
-        support.assert_params_close(params, ref_params, what=f"rank {rank} {case}")
+    support.assert_ranks_equal_one_process([result[case] for result in job], _reference(), str(case))

@@ -84,6 +84,13 @@ class CapturedProgram:
         return params_fingerprint(self.params)
 
 
+def tensor_nbytes(value) -> int:
+    """Bytes of a tensor (fake or meta too), summed over a tuple or list of them; 0 for anything else."""
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_nbytes(v) for v in value)
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
 def params_fingerprint(params: dict[str, TensorInfo]) -> str:
     """A short hash of parameter names, shapes and dtypes (order-independent)."""
     text = ";".join(f"{name}:{info.shape}:{info.dtype}" for name, info in sorted(params.items()))

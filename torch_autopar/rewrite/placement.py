@@ -109,12 +109,18 @@ def replicate_ops_without_rules(op_names) -> None:
         _compat.register_replicated_fallback(op)
 
 
-def global_batch_size(args, kwargs, world_size: int) -> int | None:
-    """The global batch: this rank's dim 0 times the number of ranks (every rank passes an equal slice)."""
+def batch_size(args, kwargs) -> int | None:
+    """How a batch's size is read: dim 0 of the first tensor leaf that has a dim (None without one)."""
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1:
-            return int(leaf.shape[0]) * world_size
+            return int(leaf.shape[0])
     return None
+
+
+def global_batch_size(args, kwargs, world_size: int) -> int | None:
+    """The global batch: this rank's batch size times the number of ranks (every rank passes an equal slice)."""
+    local = batch_size(args, kwargs)
+    return None if local is None else local * world_size
 
 
 def inputs_to_global(args, kwargs, mesh: DeviceMesh, input_placements: dict):

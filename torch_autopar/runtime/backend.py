@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torch_autopar import _compat
+from torch_autopar.capture.program import tensor_nbytes
 from torch_autopar.launch.faults import collective_failure
 from torch_autopar.rewrite import GradSyncPass
 
@@ -88,7 +89,7 @@ def graph_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, str, int]]:
             continue
         kind, which, group_index = info
         value = node.meta.get("val") if which == "output" else node.args[0].meta.get("val")
-        nbytes = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+        nbytes = tensor_nbytes(value)
         found.append((kind, str(node.args[group_index]), nbytes))
     return found
 

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_autopar import _compat
+from torch_autopar.capture.program import tensor_nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,12 +24,6 @@ class CountedCollective:
     kind: str
     axis: str
     nbytes: int
-
-
-def _nbytes(value) -> int:
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -56,9 +51,9 @@ class CollectiveCounter(TorchDispatchMode):
         info = self._kinds.get(func.overloadpacket)
         if info is not None:
             kind, which, group_index = info
-            nbytes = _nbytes(out if which == "output" else args[0])
+            nbytes = tensor_nbytes(out if which == "output" else args[0])
             if which == "output" and isinstance(out, tuple):  # c10d ops return (tensors, work)
-                nbytes = _nbytes(args[0])
+                nbytes = tensor_nbytes(args[0])
             group = args[group_index] if group_index is not None and len(args) > group_index else None
             axis = self._axes.get(group, str(group)) if isinstance(group, str) else self._axes.get(
                 _compat.group_name(dist.group.WORLD), "world")

@@ -19,18 +19,12 @@ from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
 from torch_autopar.launch.faults import collective_failure
 from torch_autopar.rewrite import GradientReducer
+from torch_autopar.rewrite.placement import batch_size
 from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime import checks
 from torch_autopar.runtime.modes import get_mode
 from torch_autopar.runtime.sharded import ShardedRunner, check_equal_slices
 from torch_autopar.search import Plan
-
-
-def _first_batch_size(args, kwargs) -> int | None:
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1:
-            return int(leaf.shape[0])
-    return None
 
 
 def broadcast_module_state(module: torch.nn.Module, group, src: int = 0) -> None:
@@ -169,7 +163,7 @@ class ParallelModule(torch.nn.Module):
 
     def _run_eager(self, args, kwargs):
         if self._reducer is not None and torch.is_grad_enabled() and self._sync:
-            self._reducer.arm(_first_batch_size(args, kwargs))
+            self._reducer.arm(batch_size(args, kwargs))
         return self.module(*args, **kwargs)
 
     def _run_graph(self, args, kwargs):
@@ -200,7 +194,7 @@ class ParallelModule(torch.nn.Module):
         return backends.compile_own(self.module, backend, fullgraph=False)  # graph breaks: pieces, as torch.compile
 
     def _check_batch_sizes(self, args, kwargs) -> None:
-        check_equal_slices(_first_batch_size(args, kwargs), self.world_size, self._group,
+        check_equal_slices(batch_size(args, kwargs), self.world_size, self._group,
                            "averaged gradients would not equal the global batch's")
 
     def _local_slice(self, args, kwargs):

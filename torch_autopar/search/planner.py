@@ -18,7 +18,6 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from torch_autopar import _compat
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.fold import Folding
 from torch_autopar.capture.program import params_fingerprint
@@ -33,13 +32,12 @@ from torch_autopar.search.problem import build_problem
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Redistribution, Sharding, format_placements, parse_placements, propagate, seed_placements
 from torch_autopar.strategies.enumerate import enumerate_strategies
+from torch_autopar.strategies.placements import spec_for
 from torch_autopar.strategies.propagate import tangent_placements
 from torch_autopar.strategies.roles import axis_roles, leaf_filter
 
 STRATEGIES = ("auto", "data_parallel", "stand_alone", "fully_shard", "tensor_parallel", "fsdp_tp")
 """Names accepted as ``strategy=``; a ``Plan`` object is accepted too."""
-EXECUTABLE = STRATEGIES
-"""What ``autopar.compile`` can run: every strategy (sharded plans through ``Planner.executed``)."""
 SEARCHED = ("auto", "fully_shard", "tensor_parallel", "fsdp_tp")
 ALL_AXES_SEPARATOR = "+"
 """A collective over every rank is on axis "dp+tp" (the axis names joined)."""
@@ -49,16 +47,12 @@ MAX_EXACT_EDGE_VARIABLES = 400_000
 """Above this many edge variables the exact solve is replaced by the fast propagation mode."""
 
 
-def check_strategy(strategy, *, executable: bool = False) -> None:
+def check_strategy(strategy) -> None:
+    """Every name in STRATEGIES is both planned (autopar.plan) and run (autopar.compile)."""
     if isinstance(strategy, Plan):
         return
     if strategy not in STRATEGIES:
         raise AutoparError(f"strategy={strategy!r} is not a known strategy; expected one of {STRATEGIES} or a Plan.")
-    if executable and strategy not in EXECUTABLE:
-        raise AutoparError(
-            f"strategy={strategy!r} can be planned (autopar.plan) but not yet executed by autopar.compile in this "
-            f"version; use one of {EXECUTABLE}."
-        )
 
 
 def _owner(name: str) -> str:
@@ -159,8 +153,7 @@ class Planner:
         for node in self.program.grad_nodes.values():
             value = node.meta.get("val")
             if isinstance(value, torch.Tensor):
-                sharding.specs[node] = _compat.DTensorSpec(self.mesh, partial, _compat.TensorMeta(
-                    value.shape, value.stride(), value.dtype))
+                sharding.specs[node] = spec_for(self.mesh, value, partial)
         return self._plan(strategy, sharding, params, local_compute=True)
 
     def fully_shard_propagated(self) -> Plan:
@@ -397,7 +390,7 @@ class Planner:
 
     # choosing ---------------------------------------------------------------------------------------------------
     def plan(self, strategy: str, *, executable: bool = False) -> Plan:
-        check_strategy(strategy, executable=executable)
+        check_strategy(strategy)
         if strategy == "auto":
             return self._auto(executable)
         plan = self.propagated(strategy) if strategy in ("data_parallel", "stand_alone") else self.searched(strategy)

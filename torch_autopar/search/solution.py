@@ -11,17 +11,17 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from torch_autopar import _compat
 from torch_autopar.capture import CapturedProgram
+from torch_autopar.capture.program import tensor_nbytes
 from torch_autopar.search.problem import ShardingProblem
 from torch_autopar.strategies import Redistribution, Sharding
+from torch_autopar.strategies.placements import spec_for
 
 
 def _spec(mesh, node: fx.Node, placements):
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
-        meta = _compat.TensorMeta(value.shape, value.stride(), value.dtype)
-        return _compat.DTensorSpec(mesh, tuple(placements), meta)
+        return spec_for(mesh, value, placements)
     if isinstance(value, (tuple, list)) and isinstance(placements, tuple):
         return tuple(_spec_of_value(mesh, v, p) for v, p in zip(value, placements))
     return value
@@ -29,13 +29,12 @@ def _spec(mesh, node: fx.Node, placements):
 
 def _spec_of_value(mesh, value, placements):
     if isinstance(value, torch.Tensor) and placements is not None:
-        return _compat.DTensorSpec(mesh, tuple(placements), _compat.TensorMeta(value.shape, value.stride(), value.dtype))
+        return spec_for(mesh, value, placements)
     return None
 
 
 def _nbytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+    return tensor_nbytes(node.meta.get("val"))
 
 
 def to_sharding(program: CapturedProgram, problem: ShardingProblem, choice: list[int], mesh,

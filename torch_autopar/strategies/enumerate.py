@@ -22,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from torch_autopar import _compat
 from torch_autopar.capture import CapturedProgram
+from torch_autopar.strategies.placements import tensor_meta
 
 OpStrategy, OpSpec, TupleStrategy = _compat.strategy_types()
 
@@ -39,10 +40,6 @@ class NodeStrategy:
 class StrategySpace:
     candidates: dict[fx.Node, list[NodeStrategy]]
     replicated_ops: Counter = field(default_factory=Counter)
-
-
-def _meta(value):
-    return _compat.TensorMeta(value.shape, value.stride(), value.dtype)
 
 
 def leaf_placements(value: torch.Tensor, mesh_ndim: int, mesh_shape) -> list[tuple]:
@@ -92,7 +89,7 @@ class _Enumerator:
             placements = self.leaf_filter(node, leaf_placements(value, self.mesh.ndim, tuple(self.mesh.shape)))
         key = ("leaf", tuple(value.shape), value.dtype, tuple(placements))
         if key not in self.cache:  # equal leaves share one candidate list (lets the search tie them)
-            meta = _meta(value)
+            meta = tensor_meta(value)
             self.cache[key] = ([NodeStrategy(output=p, inputs=()) for p in placements],
                                OpStrategy([OpSpec(_compat.DTensorSpec(self.mesh, p, meta)) for p in placements]))
         self.space.candidates[node], self.op_strategy[node] = self.cache[key]
@@ -135,7 +132,7 @@ class _Enumerator:
         # one strategy per parent strategy, in the same order: the search ties them 1:1
         self.space.candidates[node] = strategies
         value = node.meta["val"]
-        self.op_strategy[node] = OpStrategy([OpSpec(_compat.DTensorSpec(self.mesh, s.output, _meta(value)))
+        self.op_strategy[node] = OpStrategy([OpSpec(_compat.DTensorSpec(self.mesh, s.output, tensor_meta(value)))
                                              for s in strategies]) if isinstance(value, torch.Tensor) else None
 
     def _enumerate(self, node: fx.Node):
@@ -161,8 +158,8 @@ class _Enumerator:
         if any(a is None for a in args if not isinstance(a, (int, float, bool, str, list, tuple, torch.dtype))) and \
                 any(self.op_strategy.get(a) is None for a in node.all_input_nodes):
             return None
-        output_meta = _meta(value) if isinstance(value, torch.Tensor) else (
-            [(_meta(v) if isinstance(v, torch.Tensor) else None) for v in value] if isinstance(value, (tuple, list)) else None)
+        output_meta = tensor_meta(value) if isinstance(value, torch.Tensor) else (
+            [(tensor_meta(v) if isinstance(v, torch.Tensor) else None) for v in value] if isinstance(value, (tuple, list)) else None)
         result = _compat.op_strategies(node.target, args, kwargs, self.mesh, output_meta)
         if not isinstance(result, OpStrategy):
             return None
@@ -190,7 +187,7 @@ class _Enumerator:
     def _as_op_strategy(self, strategies: list[NodeStrategy], value):
         if not isinstance(value, torch.Tensor):
             return None
-        meta = _meta(value)
+        meta = tensor_meta(value)
         return OpStrategy([OpSpec(_compat.DTensorSpec(self.mesh, s.output, meta)) for s in strategies])
 
 

@@ -7,6 +7,7 @@ import re
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
 
 _SHARD = re.compile(r"S\((\d+)\)")
@@ -41,3 +42,13 @@ def parse_placement(text: str) -> Placement:
 
 def parse_placements(texts) -> tuple[Placement, ...]:
     return tuple(parse_placement(t) for t in texts)
+
+
+def tensor_meta(value) -> _compat.TensorMeta:
+    """DTensor's description of a (fake or meta) tensor: shape, stride, dtype."""
+    return _compat.TensorMeta(value.shape, value.stride(), value.dtype)
+
+
+def spec_for(mesh, value, placements) -> _compat.DTensorSpec:
+    """The DTensor spec of ``value`` laid out as ``placements`` on ``mesh``."""
+    return _compat.DTensorSpec(mesh, tuple(placements), tensor_meta(value))

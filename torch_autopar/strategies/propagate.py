@@ -19,6 +19,8 @@ from torch.distributed.tensor import Replicate
 
 from torch_autopar import _compat
 from torch_autopar.capture import CapturedProgram
+from torch_autopar.capture.program import tensor_nbytes
+from torch_autopar.strategies.placements import spec_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,15 +44,6 @@ class Sharding:
     replicated_ops: Counter = field(default_factory=Counter)
 
 
-def _spec_for(mesh: DeviceMesh, value: torch.Tensor, placements) -> _compat.DTensorSpec:
-    meta = _compat.TensorMeta(value.shape, value.stride(), value.dtype)
-    return _compat.DTensorSpec(mesh, tuple(placements), meta)
-
-
-def _nbytes(value) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
 class _Propagator:
     def __init__(self, program: CapturedProgram, mesh: DeviceMesh, seeds: dict):
         self.program, self.mesh, self.seeds = program, mesh, seeds
@@ -69,17 +62,17 @@ class _Propagator:
         if not isinstance(value, torch.Tensor):
             self.result.specs[node] = value
         elif node in self.seeds:
-            self.result.specs[node] = _spec_for(self.mesh, value, self.seeds[node])
+            self.result.specs[node] = spec_for(self.mesh, value, self.seeds[node])
         elif node in self.program.tangent_nodes:
             self.result.specs[node] = None  # resolved on first use, once its forward output has a spec
         else:
-            self.result.specs[node] = _spec_for(self.mesh, value, [Replicate()] * self.mesh.ndim)
+            self.result.specs[node] = spec_for(self.mesh, value, [Replicate()] * self.mesh.ndim)
 
     def _spec_of(self, node: fx.Node):
         spec = self.result.specs[node]
         if spec is None and node in self.program.tangent_nodes:
             output = self.program.output_nodes[self.program.tangent_nodes[node]]
-            spec = _spec_for(self.mesh, node.meta["val"], tangent_placements(self.result.specs[output].placements))
+            spec = spec_for(self.mesh, node.meta["val"], tangent_placements(self.result.specs[output].placements))
             self.result.specs[node] = spec
         return spec
 
@@ -111,10 +104,10 @@ class _Propagator:
         if isinstance(value, torch.Tensor):
             if not isinstance(rule_spec, _compat.DTensorSpec):
                 raise AssertionError(f"rule for {node.format_node()} gave {rule_spec!r} for a tensor output")
-            return _spec_for(self.mesh, value, rule_spec.placements)
+            return spec_for(self.mesh, value, rule_spec.placements)
         if isinstance(value, (tuple, list)):
             specs = rule_spec if isinstance(rule_spec, (tuple, list)) else [rule_spec] * len(value)
-            return tuple(_spec_for(self.mesh, v, s.placements) if isinstance(v, torch.Tensor) and s is not None else None
+            return tuple(spec_for(self.mesh, v, s.placements) if isinstance(v, torch.Tensor) and s is not None else None
                          for v, s in zip(value, specs))
         return rule_spec
 
@@ -126,9 +119,9 @@ class _Propagator:
             self._record(node, index, have, replicate)
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor):
-            return _spec_for(self.mesh, value, replicate)
+            return spec_for(self.mesh, value, replicate)
         if isinstance(value, (tuple, list)):
-            return tuple(_spec_for(self.mesh, v, replicate) if isinstance(v, torch.Tensor) else None for v in value)
+            return tuple(spec_for(self.mesh, v, replicate) if isinstance(v, torch.Tensor) else None for v in value)
         return None
 
     def _record(self, node: fx.Node, index: int, have, want) -> None:
@@ -138,7 +131,7 @@ class _Propagator:
         value = source_node.meta.get("val") if isinstance(source_node, fx.Node) else None
         self.result.redistributions.append(Redistribution(
             node=node.name, arg_index=index, source=tuple(have.placements), target=tuple(want),
-            global_nbytes=_nbytes(value), backward=self.program.is_backward(node)))
+            global_nbytes=tensor_nbytes(value), backward=self.program.is_backward(node)))
 
 
 def tangent_placements(output_placements) -> tuple:
