@@ -26,7 +26,7 @@ __all__ = [
     "export_joint", "input_kind", "grad_target", "tangent_output_index", "output_index",
     "propagate_sharding", "node_flops", "queue_backward_callback", "fake_store", "aot_autograd_backend",
     "register_dynamo_backend", "functional_all_reduce_inplace", "functional_wait_tensor", "DynamoUnsupported",
-    "safe_checkpoint_reader",
+    "safe_checkpoint_reader", "recording_ops",
 ]
 
 
@@ -566,3 +566,18 @@ def safe_checkpoint_reader(path: str):
             return metadata
 
     return SafeReader(path)
+
+
+def recording_ops(record: Callable[[Any, tuple, dict, Any], None]):
+    """A context in which every aten op call is passed with its result to ``record(op, args, kwargs, out)``
+    (a ``TorchDispatchMode``, the mechanism ``torch.utils.flop_counter.FlopCounterMode`` uses); used to price
+    the units of a pipeline on fake tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            record(func, args, kwargs or {}, out)
+            return out
+
+    return _Recorder()
