@@ -26,7 +26,7 @@ __all__ = [
     "export_joint", "input_kind", "grad_target", "tangent_output_index", "output_index",
     "propagate_sharding", "node_flops", "queue_backward_callback", "fake_store", "aot_autograd_backend",
     "register_dynamo_backend", "functional_all_reduce_inplace", "functional_wait_tensor", "DynamoUnsupported",
-    "safe_checkpoint_reader", "recording_ops",
+    "safe_checkpoint_reader", "recording_ops", "pytree",
 ]
 
 
@@ -581,3 +581,11 @@ def recording_ops(record: Callable[[Any, tuple, dict, Any], None]):
             return out
 
     return _Recorder()
+
+
+def pytree():
+    """``torch.utils._pytree`` (flatten nested outputs, (de)serialise their structure); torch 2.13 has no public
+    equivalent. Used where a pipeline's outputs cross ranks and where its units are priced."""
+    import torch.utils._pytree as _pytree
+
+    return _pytree

@@ -147,7 +147,7 @@ class _UnitInterpreter(fx.Interpreter):
         self.current.flops += _compat.node_flops(op, args, kwargs, out)
         if not getattr(op, "is_view", False):
             self.current.activation_bytes += sum(t.numel() * t.element_size() for t in
-                                                 torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+                                                 _compat.pytree().tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 def measure_units(top: TopLevel, unit: dict, args: tuple) -> dict[object, UnitCost]:

@@ -18,10 +18,9 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.distributed import pipelining
 
-from torch_autopar import launch
+from torch_autopar import _compat, launch
 from torch_autopar.capture.modules import split_stages
 from torch_autopar.errors import AutoparError
 from torch_autopar.runtime import backend as backends
@@ -186,8 +185,8 @@ class PipelineModule(torch.nn.Module):
         yield
 
     def _check_batch(self, args: tuple) -> int:
-        batch = next((int(a.shape[0]) for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.ndim),
-                     None)
+        leaves = _compat.pytree().tree_leaves(args)
+        batch = next((int(a.shape[0]) for a in leaves if isinstance(a, torch.Tensor) and a.ndim), None)
         if batch is None or batch % self.plan.microbatches:
             raise AutoparError(
                 f"a pipelined step cuts each rank's batch into {self.plan.microbatches} micro-batches; found a batch "
@@ -256,6 +255,7 @@ class PipelineModule(torch.nn.Module):
         if self._pp == 1:
             return output
         source = self._d * self._pp + (self.plan.pipeline_stages - 1) % self._pp
+        pytree = _compat.pytree()
         leaves, spec = pytree.tree_flatten(output) if output is not None else ([], None)
         meta = [[(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves],
                 pytree.treespec_dumps(spec) if spec is not None else None]
