@@ -52,6 +52,8 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "uneven":  # widths that do not divide by 4 ranks: 10 hidden units, 6 outputs
         return MLP((12, 10, 6))
+    if name == "blocks":
+        return StackedMLP()
     return {"mlp": MLP, "gpt": GPT, "branchy": Branchy, "straight": Straight, "cnn": SmallCNN}[name]()
 
 
@@ -168,3 +170,20 @@ def full(tensor):
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class StackedMLP(nn.Module):
+    """An input layer, an nn.ModuleList of residual MLP blocks (``widths``: each block's hidden width; equal
+    widths make identical blocks) and a head: the pipeline tests' model of identical or unequal blocks."""
+
+    def __init__(self, widths=(64, 64, 64, 64), dim: int = 32, out: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, w), nn.ReLU(), nn.Linear(w, dim)) for w in widths)
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(torch.relu(x))

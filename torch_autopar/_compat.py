@@ -27,7 +27,7 @@ __all__ = [
     "propagate_sharding", "node_flops", "queue_backward_callback", "default_store", "fake_store",
     "aot_autograd_backend",
     "register_dynamo_backend", "functional_all_reduce_inplace", "functional_wait_tensor", "DynamoUnsupported",
-    "safe_checkpoint_reader",
+    "safe_checkpoint_reader", "recording_ops", "pytree",
 ]
 
 
@@ -585,3 +585,26 @@ def measured_peak_bytes(module: torch.nn.Module, step: Callable[[], Any]) -> int
         step()
     snapshot = tracker.get_tracker_snapshot("peak")
     return max(int(per_device["Total"]) for per_device in snapshot.values())
+
+
+def recording_ops(record: Callable[[Any, tuple, dict, Any], None]):
+    """A context in which every aten op call is passed with its result to ``record(op, args, kwargs, out)``
+    (a ``TorchDispatchMode``, the mechanism ``torch.utils.flop_counter.FlopCounterMode`` uses); used to price
+    the units of a pipeline on fake tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            record(func, args, kwargs or {}, out)
+            return out
+
+    return _Recorder()
+
+
+def pytree():
+    """``torch.utils._pytree`` (flatten nested outputs, (de)serialise their structure); torch 2.13 has no public
+    equivalent. Used where a pipeline's outputs cross ranks and where its units are priced."""
+    import torch.utils._pytree as _pytree
+
+    return _pytree

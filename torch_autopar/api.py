@@ -20,7 +20,9 @@ from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite.placement import batch_size
 from torch_autopar.runtime import ParallelModule, recompute
 from torch_autopar.runtime.modes import MODES, get_mode
+from torch_autopar.runtime.pipeline import PipelineModule
 from torch_autopar.search import Plan, build_plan, check_strategy
+from torch_autopar.search import pipeline as pipelining
 from torch_autopar.search.planner import Planner, plan_from_parameters
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES
 
@@ -54,13 +56,20 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
 
 def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h100", strategy="auto",
          memory_budget=None, axis_names=None, example_kwargs=None,
-         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto", fold_layers: bool = True) -> Plan:
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto", fold_layers: bool = True,
+         pipeline=None, microbatches=None, schedule=None) -> Plan:
     """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK).
 
     solver: "auto" (exact MILP unless the problem is too large, then propagation), "milp" or "propagate".
     fold_layers: capture only the first, one middle and the last layer of long lists of identical layers and
-    weigh the middle one by the number of layers it stands for (see capture.fold); False captures every layer."""
+    weigh the middle one by the number of layers it stands for (see capture.fold); False captures every layer.
+    pipeline / microbatches / schedule: as in ``compile``; the mesh's ranks are then (data-parallel, pipeline)."""
     check_strategy(strategy)
+    world = math.prod(launch.mesh.check_mesh_shape(mesh_shape, None, "mesh_shape"))
+    options = pipelining.check_options(pipeline, microbatches, schedule, world)
+    if options is not None:
+        _check_pipeline_strategy(strategy, None, False)
+        return _offline_pipeline_plan(model, _as_tuple(example_inputs), options, world, hardware)
     if isinstance(strategy, Plan):
         strategy.check_compatible(module_fingerprint(model), math.prod(launch.mesh.parse_mesh_shape(mesh_shape)))
         if tuple(strategy.mesh_shape) != launch.mesh.parse_mesh_shape(mesh_shape):
@@ -72,6 +81,60 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
                              strategy=strategy, hardware=hardware, memory_budget=memory_budget,
                              bucket_cap_bytes=bucket_cap_bytes, executable=False, solver=solver,
                              fold_layers=fold_layers)
+
+
+def _offline_pipeline_plan(model, args, options, world, hardware) -> Plan:
+    dp = world // options.ranks
+    batch = batch_size(args, {})
+    if batch is None or batch % dp:
+        raise AutoparError(f"the global batch (dim 0: {batch}) must divide by the {dp} data-parallel replicas of "
+                           f"a {options.ranks}-stage pipeline on {world} ranks; change the batch or pipeline=.")
+    return pipelining.pipeline_plan(model, args, options, world_size=world, hardware=get_profile(hardware),
+                                    batch_per_rank=batch // dp, dp_share=dp).plan
+
+
+def _check_pipeline_strategy(strategy, mesh, full_batch) -> None:
+    if not (strategy in ("auto", "data_parallel") or isinstance(strategy, Plan) and strategy.pipeline_stages > 1):
+        raise AutoparError(f"strategy={strategy!r} with pipeline=: stages run whole (data-parallel over the ranks "
+                           "that hold them) in this version; expected strategy='auto' or 'data_parallel'.")
+    if mesh is not None or full_batch:
+        raise AutoparError(f"pipeline= lays the ranks out as (data-parallel, pipeline) itself; found mesh={mesh!r}, "
+                           f"full_batch={full_batch}. Drop mesh= and full_batch= for a pipelined model.")
+
+
+def _pipeline_planner(options, hardware, given: Plan | None):
+    """Plans a pipelined module from one call's inputs (this rank's slice) for this job's ranks."""
+    def planner(module, args):
+        world = launch.get_world_size() if launch.is_initialized() else 1
+        if given is not None:
+            given.check_compatible(module_fingerprint(module), world)
+        return pipelining.pipeline_plan(module, args, options, world_size=world,
+                                        hardware=get_profile(hardware or "cpu-gloo"),
+                                        batch_per_rank=batch_size(args, {}) or 0, given=given)
+
+    return planner
+
+
+def _compile_pipeline(model, example_inputs, options, strategy, hardware, mode, loss_fn) -> PipelineModule:
+    given = strategy if isinstance(strategy, Plan) else None
+    parallel = PipelineModule(model, planner=_pipeline_planner(options, hardware, given), loss_fn=loss_fn, mode=mode,
+                              pipeline_size=options.ranks)
+    if example_inputs is not None:
+        parallel.prepare(_as_tuple(example_inputs))
+    return parallel
+
+
+def _pipeline_options(pipeline, microbatches, schedule, strategy, loss_fn):
+    world = launch.get_world_size() if launch.is_initialized() else 1
+    if isinstance(strategy, Plan) and strategy.pipeline_stages > 1 and pipeline is None:
+        ranks = strategy.mesh_shape[-1]
+        return pipelining.check_options(ranks, microbatches or strategy.microbatches, schedule or strategy.schedule,
+                                        world)
+    options = pipelining.check_options(pipeline, microbatches, schedule, world)
+    if options is None and loss_fn is not None:
+        raise AutoparError("loss_fn= is for pipelined models (pmodel.step computes the loss inside the pipeline); "
+                           "found pipeline=None. Pass pipeline=N, or compute the loss yourself.")
+    return options
 
 
 class _Planner:
@@ -138,16 +201,22 @@ def _check_options(strategy, mode, mesh) -> None:
 
 def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memory_budget=None, hardware=None,
             mode=None, full_batch: bool = False, example_kwargs=None,
-            bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, activation_checkpointing=None):
+            bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, activation_checkpointing=None, pipeline=None,
+            microbatches=None, schedule=None, loss_fn=None):
     """Plan ``model`` for this job's ranks and return a module that runs the plan (also a class decorator).
 
     example_inputs: what this rank will pass (its slice of the global batch); None plans at the first call.
     activation_checkpointing: None, "full" or "selective" (runtime.recompute): recompute the repeated layers'
     activations in backward (all of them, or all but matmul and attention outputs) to save memory.
+    pipeline: None, or N pipeline stages (ranks laid out as world/N data-parallel x N pipeline; cut between the
+    layers of the model's nn.ModuleList); microbatches: per rank and step (None: 2N if it divides the batch, else
+    N); schedule: "gpipe" | "1f1b" (default) | "interleaved_1f1b"; loss_fn(output, target): what
+    ``pmodel.step(inputs, targets)`` minimises (a pipelined model computes the loss inside the schedule).
     """
     options = dict(mesh=mesh, strategy=strategy, memory_budget=memory_budget, hardware=hardware, mode=mode,
                    full_batch=full_batch, bucket_cap_bytes=bucket_cap_bytes,
-                   activation_checkpointing=activation_checkpointing)
+                   activation_checkpointing=activation_checkpointing, pipeline=pipeline,
+                   microbatches=microbatches, schedule=schedule, loss_fn=loss_fn)
     if model is None:
         return lambda target: compile(target, example_inputs, example_kwargs=example_kwargs, **options)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
@@ -155,6 +224,10 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     if not isinstance(model, torch.nn.Module):
         raise AutoparError(f"compile() expected an nn.Module instance or subclass, found {type(model).__name__}.")
     _check_options(strategy, mode, mesh)
+    pipeline_options = _pipeline_options(pipeline, microbatches, schedule, strategy, loss_fn)
+    if pipeline_options is not None:
+        _check_pipeline_strategy(strategy, mesh, full_batch)
+        return _compile_pipeline(model, example_inputs, pipeline_options, strategy, hardware, mode, loss_fn)
     if isinstance(mesh, int):
         options["mesh"] = (mesh,)
     recompute.apply_activation_checkpointing(model, activation_checkpointing)

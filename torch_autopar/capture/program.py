@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
+
+pytree = _compat.pytree()  # torch.utils._pytree: no public equivalent in torch 2.13
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,6 @@ Must never choose a placement (the Plan does) and never change a parameter's val
 from __future__ import annotations
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -31,6 +30,8 @@ from torch_autopar.errors import AutoparError
 from torch_autopar.launch.mesh import job_mesh
 from torch_autopar.search.plan import Plan
 from torch_autopar.strategies.placements import parse_placements
+
+pytree = _compat.pytree()  # torch.utils._pytree: no public equivalent in torch 2.13
 
 
 def mesh_for_plan(plan: Plan) -> DeviceMesh:

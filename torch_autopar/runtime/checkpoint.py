@@ -76,8 +76,15 @@ def load_checkpoint(path, pmodel: torch.nn.Module, optimizer: torch.optim.Optimi
     return extra
 
 
+def _refuse_pipelines(pmodel) -> None:
+    if getattr(pmodel, "pipeline_size", 1) > 1:
+        raise AutoparError("checkpoints of pipelined models (pipeline=N) are not yet supported; save "
+                           "pmodel.state_dict() (full tensors, every rank calls it) with torch.save instead.")
+
+
 def save(path, pmodel, optimizer, extra: dict, rank_state: dict | None = None) -> None:
     """``save_checkpoint`` plus ``rank_state``: this rank's own tensors and plain values (the trainer's)."""
+    _refuse_pipelines(pmodel)
     path = _normalise(path)
     rank, world = _world()
     _check_json(extra)
@@ -198,6 +205,7 @@ def _commit(staging: str, path: str) -> None:
 
 def load(path, pmodel, optimizer) -> tuple[dict, dict]:
     """``load_checkpoint`` without restoring RNG states: returns (extra, this rank's state)."""
+    _refuse_pipelines(pmodel)
     found = find_checkpoint(path)
     if found is None:
         raise AutoparError(f"no checkpoint at {_normalise(path)!r} (expected a directory written by "

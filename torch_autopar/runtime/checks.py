@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
+from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
+
+pytree = _compat.pytree()  # torch.utils._pytree: no public equivalent in torch 2.13
 
 MAX_GRAPH_SHAPES = 8
 """Graph mode compiles once per input shape; dynamo's own recompile limit is 8."""

@@ -27,11 +27,13 @@ import itertools
 import warnings
 
 import torch
-import torch.utils._pytree as pytree
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
+
+pytree = _compat.pytree()  # torch.utils._pytree: no public equivalent in torch 2.13
 
 
 def as_dataset(data):

@@ -13,7 +13,6 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
@@ -25,6 +24,8 @@ from torch_autopar.runtime import checks
 from torch_autopar.runtime.modes import get_mode
 from torch_autopar.runtime.sharded import ShardedRunner, check_equal_slices
 from torch_autopar.search import Plan
+
+pytree = _compat.pytree()  # torch.utils._pytree: no public equivalent in torch 2.13
 
 
 def broadcast_module_state(module: torch.nn.Module, group, src: int = 0) -> None:

@@ -24,6 +24,7 @@ from torch_autopar.runtime.anomalies import check_finite
 from torch_autopar.runtime.data import Feed, make_feed, split, to_device
 from torch_autopar.runtime.grad_norm import clip_grad_norm_
 from torch_autopar.runtime.parallel_module import ParallelModule
+from torch_autopar.runtime.pipeline import PipelineModule
 
 
 class StopTraining(Exception):
@@ -87,7 +88,9 @@ class Model:
     """Trains ``network`` (an ``autopar.compile``d module, or a plain one to be compiled with strategy "auto")."""
 
     def __init__(self, network: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer | None = None):
-        if not isinstance(network, ParallelModule):
+        if isinstance(network, PipelineModule) and network.loss_fn is None:
+            network.loss_fn = loss_fn  # a pipelined network computes the loss inside its schedule (step)
+        elif not isinstance(network, (ParallelModule, PipelineModule)):
             from torch_autopar.api import compile as autopar_compile
 
             network = autopar_compile(network)
@@ -136,12 +139,21 @@ class Model:
                                "integers (checkpoint_every may be None: save only at the end).")
         if checkpoint_every is not None and checkpoint_dir is None:
             raise AutoparError("checkpoint_every needs checkpoint_dir=: the directory to save checkpoints in.")
-        rank, world = _world()
+        if isinstance(self.network, PipelineModule) and (clip_grad_norm is not None or checkpoint_dir is not None):
+            raise AutoparError("clip_grad_norm= and checkpoint_dir= are not yet supported for pipelined models; "
+                               f"found clip_grad_norm={clip_grad_norm}, checkpoint_dir={checkpoint_dir!r}. Drop them.")
+        rank, world = self._data_rank()
         feed = make_feed(dataset, batch_size, rank, world, shuffle=shuffle, seed=seed, num_workers=num_workers,
                          pin_memory=pin_memory)
         return _Run(feed=feed, accumulate=accumulate, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
                     callbacks=_callbacks(callbacks), checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                     detect_anomalies=detect_anomalies, progress=progress, device=_device_of(self.network))
+
+    def _data_rank(self) -> tuple[int, int]:
+        """(which slice, of how many): a pipeline's ranks all load their replica's slice."""
+        if isinstance(self.network, PipelineModule):
+            return self.network.data_parallel_rank, self.network.data_parallel_size
+        return _world()
 
     def _resume(self, run: _Run) -> tuple[int, dict | None]:
         """(first epoch, the saved state of that epoch) from run.checkpoint_dir; (0, None) if it has none."""
@@ -195,6 +207,8 @@ class Model:
 
     def _micro_step(self, run: _Run, batch, *, sync: bool, scale: float) -> tuple[float, int]:
         inputs, target = split(to_device(batch, run.device, non_blocking=run.device.type == "cuda"))
+        if isinstance(self.network, PipelineModule):  # forward and backward inside the pipeline's schedule
+            return float(self.network.step(tuple(inputs), target, loss_scale=scale)), len(target)
         with contextlib.nullcontext() if sync else self.network.no_sync():
             loss = self.loss_fn(self.network(*inputs), target)
             (loss * scale if scale != 1.0 else loss).backward()
@@ -245,6 +259,7 @@ class Model:
         totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(totals)
+        totals /= getattr(self.network, "pipeline_size", 1)  # the ranks of one pipeline count the same samples
         samples = int(totals[1])
         return {"epoch": epoch + 1, "loss": float(totals[0]) / max(samples, 1), "samples": samples,
                 "dropped": dropped, "seconds": seconds, "samples_per_s": samples / seconds if seconds else 0.0}
@@ -252,7 +267,7 @@ class Model:
     @torch.no_grad()
     def eval(self, dataset, *, batch_size: int | None = None) -> dict:
         """Mean loss over the dataset (sharded like ``train``, without shuffling)."""
-        rank, world = _world()
+        rank, world = self._data_rank()
         feed = make_feed(dataset, batch_size, rank, world, shuffle=False, seed=0)
         device = _device_of(self.network)
         self.network.eval()

@@ -4,8 +4,9 @@ Must never run collectives or change the user's model.
 """
 
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
-from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective
+from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective, StageRow
 from torch_autopar.search.planner import STRATEGIES, Planner, build_plan, check_strategy
 
-__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "STRATEGIES", "Planner", "LayerRow", "Plan", "PlannedCollective", "assign_buckets",
+__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "STRATEGIES", "Planner", "LayerRow", "Plan", "PlannedCollective", "StageRow",
+           "assign_buckets",
            "build_plan", "check_strategy"]

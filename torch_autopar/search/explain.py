@@ -42,11 +42,25 @@ def _collective_summary(plan) -> list[str]:
     return lines
 
 
+def _pipeline_lines(plan) -> list[str]:
+    """Stages (modules, est. compute, memory), micro-batches, schedule and the predicted bubble."""
+    lines = [f"pipeline: {plan.pipeline_stages} stages on {plan.mesh_shape[-1]} pipeline ranks, schedule="
+             f"{plan.schedule}, {plan.microbatches} micro-batches per rank and step, predicted bubble "
+             f"{plan.bubble_fraction:.1%}"]
+    width = max([len(", ".join(row.layers)) for row in plan.stages] + [6])
+    lines.append(f"{'stage':>5}  {'modules':<{width}}  {'params':>12}  {'compute':>11}  {'memory':>11}")
+    for row in plan.stages:
+        lines.append(f"{row.index:>5}  {', '.join(row.layers):<{width}}  {row.num_params:>12,}  "
+                     f"{_seconds(row.compute_s):>11}  {_bytes(row.memory_bytes):>11}")
+    return lines
+
+
 def explain(plan) -> str:
     mesh = " x ".join(f"{name}={size}" for name, size in zip(plan.axis_names, plan.mesh_shape))
     lines = [f"torch_autopar plan: strategy={plan.strategy}  mesh: {mesh}  hardware={plan.hardware}"
              + (f"  global batch={plan.global_batch}" if plan.global_batch else "")]
-    lines += _layer_table(plan)
+    lines += _layer_table(plan) if plan.layers else []
+    lines += _pipeline_lines(plan) if plan.pipeline_stages > 1 else []
     lines += _collective_summary(plan)
     lines.append(f"gradient buckets: {len(plan.grad_buckets)}")
     lines.append(f"estimated step time: {_seconds(plan.estimated_step_time)} (compute {_seconds(plan.compute_time)}, "

@@ -47,6 +47,21 @@ class LayerRow:
     """Collectives of those nodes plus this module's share of gradient synchronisation."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageRow:
+    """One pipeline stage: which modules it runs and what it is estimated to cost per training step."""
+
+    index: int
+    layers: list[str]
+    """Qualified names of the modules the stage calls, in order (modules before the first layer join stage 0,
+    after the last the last stage); a parameter read directly by the forward (a tied head) is listed too."""
+    num_params: int
+    compute_s: float
+    """Forward + backward compute of the whole local batch (all micro-batches)."""
+    memory_bytes: int
+    """Parameters, gradients, Adam state and the activations in flight under the schedule."""
+
+
 @dataclass(kw_only=True)
 class Plan:
     strategy: str
@@ -73,6 +88,19 @@ class Plan:
     """How the plan was found: mode (exact / propagation), problem size, timings."""
     notes: list[str] = field(default_factory=list)
     version: int = PLAN_FORMAT_VERSION
+    pipeline_stages: int = 1
+    """Pipeline stages (1: not pipelined); the mesh is then (data-parallel, pipeline)."""
+    microbatches: int = 1
+    """Micro-batches each rank's batch is cut into per step (pipelined plans)."""
+    schedule: str | None = None
+    """The pipeline schedule ("gpipe", "1f1b", "interleaved_1f1b"); None when not pipelined."""
+    stages: list[StageRow] = field(default_factory=list)
+    bubble_fraction: float = 0.0
+    """Predicted share of a step each stage idles: (stages - 1) / (microbatches + stages - 1) for GPipe/1F1B."""
+
+    def stage_of(self, layer: str) -> int:
+        """The pipeline stage that runs module ``layer`` (0 when not pipelined)."""
+        return next((row.index for row in self.stages if layer in row.layers), 0)
 
     @property
     def world_size(self) -> int:
@@ -152,6 +180,7 @@ class Plan:
         data["input_placements"] = {int(k): tuple(v) for k, v in data["input_placements"].items()}
         data["collectives"] = [PlannedCollective(**c) for c in data["collectives"]]
         data["layers"] = [LayerRow(**row) for row in data["layers"]]
+        data["stages"] = [StageRow(**row) for row in data.get("stages", [])]  # files before pipelining have none
         return Plan(**data)
 
     def explain(self) -> str:

@@ -1,0 +1,100 @@
+"""Pipeline planning without ranks: the balanced partition by hand, a model of unequal blocks cut where its
+FLOPs say, the bubble formula, ``plan.explain()``, save / load (old plan files still load) and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import torch_autopar as autopar
+from torch_autopar.search.pipeline import balanced_cuts, bubble_fraction
+from torch_autopar.testing.models import GPT
+from tests.support import StackedMLP
+
+
+def test_balanced_cuts_by_hand():
+    assert balanced_cuts([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert balanced_cuts([4, 1, 1, 1, 1], 2) == [0, 1, 5]  # 4 | 4 beats 5 | 3
+    assert balanced_cuts([1, 2, 3, 4, 5, 6], 3) == [0, 3, 5, 6]  # 6 | 9 | 6: no split has a smaller maximum
+    assert balanced_cuts([4, 1, 1, 1, 1], 3) == [0, 1, 3, 5]  # 4 | 2 | 2, not 4 | 1 | 3 (same maximum)
+    assert balanced_cuts([3, 3, 3], 3) == [0, 1, 2, 3]
+    assert balanced_cuts([5], 1) == [0, 1]
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(2, 4, "gpipe") == pytest.approx(1 / 5)
+    assert bubble_fraction(4, 8, "1f1b") == pytest.approx(3 / 11)
+    assert bubble_fraction(2, 4, "interleaved_1f1b") == pytest.approx(1 / 9)
+
+
+def _unequal():
+    """A first block four times as wide (four times the FLOPs) as the four after it; wide enough to be
+    compute-bound on an h100 (the roofline then prices FLOPs, not bytes)."""
+    return StackedMLP(widths=(4096, 1024, 1024, 1024, 1024), dim=1024, out=8)
+
+
+def test_unequal_blocks_are_cut_by_flops():
+    with torch.device("meta"):
+        model = _unequal()
+    x = torch.empty(4096, 1024, device="meta")
+    plan = autopar.plan(model, x, mesh_shape=(2,), pipeline=2, microbatches=4, schedule="gpipe")
+    # costs ~ [4, 1, 1, 1, 1] (+ the input layer and the head): the wide block alone is the best cut
+    assert [row.layers for row in plan.stages] == [["inp", "blocks.0"],
+                                                    ["blocks.1", "blocks.2", "blocks.3", "blocks.4", "head"]]
+    assert plan.stage_of("blocks.3") == 1 and plan.stage_of("inp") == 0
+    first, second = (row.compute_s for row in plan.stages)
+    assert 0.9 < first / second < 1.35, (first, second)
+    three = autopar.plan(model, x, mesh_shape=(6,), pipeline=3, microbatches=2, schedule="1f1b")
+    assert [row.layers[-1] for row in three.stages] == ["blocks.0", "blocks.2", "head"]
+    assert three.mesh_shape == (2, 3) and three.axis_names == ("dp", "pp")
+
+
+def test_gpt_plan_explains_stages_and_round_trips(tmp_path):
+    plan = autopar.plan(GPT(), torch.randint(0, 96, (8, 16)), mesh_shape=(4,), pipeline=2, microbatches=2,
+                        schedule="1f1b", hardware="cpu-gloo")
+    assert (plan.pipeline_stages, plan.microbatches, plan.schedule) == (2, 2, "1f1b")
+    assert plan.stages[0].layers == ["tok", "pos", "blocks.0"]
+    assert plan.stages[1].layers == ["blocks.1", "ln_f", "tok.weight"]  # the tied head reads tok.weight there
+    assert plan.bubble_fraction == pytest.approx(1 / 3)
+    assert plan.estimated_step_time > 0 and plan.peak_memory == max(r.memory_bytes for r in plan.stages)
+    text = plan.explain()
+    assert "2 stages on 2 pipeline ranks, schedule=1f1b, 2 micro-batches" in text and "bubble 33.3%" in text
+    assert "blocks.1, ln_f, tok.weight" in text
+    plan.save(tmp_path / "plan.json")
+    loaded = autopar.Plan.load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.explain() == text
+
+
+def test_plans_without_pipeline_and_old_files(tmp_path):
+    plan = autopar.plan(GPT(), torch.randint(0, 96, (8, 16)), mesh_shape=(2,), strategy="data_parallel")
+    assert (plan.pipeline_stages, plan.microbatches, plan.schedule, plan.stages) == (1, 1, None, [])
+    assert "pipeline" not in plan.explain()
+    plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    for key in ("pipeline_stages", "microbatches", "schedule", "stages", "bubble_fraction"):
+        del data[key]  # a file written before pipelining existed
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert autopar.Plan.load(tmp_path / "old.json") == plan
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    (dict(mesh_shape=(3,), pipeline=2), r"pipeline=2 must divide the 3 ranks"),
+    (dict(mesh_shape=(4,), pipeline=4), r"needs 4 stages of at least one layer each; the model has 2 layers"),
+    (dict(mesh_shape=(2,), pipeline=2, microbatches=3), r"microbatches=3 must divide each rank's batch"),
+    (dict(mesh_shape=(2,), pipeline=2, schedule="zero_bubble"), r"schedule='zero_bubble': expected one of"),
+    (dict(mesh_shape=(2,), microbatches=2), r"apply to pipelined models; found pipeline=None"),
+    (dict(mesh_shape=(2,), pipeline=2, strategy="tensor_parallel"), r"stages run whole"),
+])
+def test_bad_pipeline_input(kwargs, pattern):
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: .*" + pattern):
+        autopar.plan(GPT(), torch.randint(0, 96, (8, 16)), **kwargs)
+
+
+def test_compile_checks_pipeline_in_one_process():
+    """One process: pipeline=2 cannot divide a world of 1; loss_fn without a pipeline is refused."""
+    with pytest.raises(autopar.AutoparError, match=r"pipeline=2 must divide the 1 ranks"):
+        autopar.compile(GPT(), pipeline=2)
+    with pytest.raises(autopar.AutoparError, match=r"loss_fn= is for pipelined models"):
+        autopar.compile(GPT(), loss_fn=torch.nn.functional.mse_loss)

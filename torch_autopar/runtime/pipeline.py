@@ -1,0 +1,313 @@
+"""``PipelineModule``: a model cut into pipeline stages (``search.pipeline``), run by ``torch.distributed.pipelining``.
+
+Ranks form a (data-parallel, pipeline) mesh, row-major: rank = d * P + p holds pipeline rank p of replica d
+(stages p, p + P, ... of the plan: one stage each, two under the interleaved schedule). The ranks of one
+pipeline pass the same batch (``data_parallel_rank``: d); each replica passes its slice of the global batch.
+A step: ``PipelineStage`` + the chosen ``Schedule*`` run forward and backward over the micro-batches (activations
+sent between stages by the schedule), then this rank's fresh gradients are scaled to the mean over micro-batches,
+summed over the stages that share a tied parameter (each holds a copy: an embedding tied to the output head)
+and averaged over the data-parallel ranks of the stage (DDP's semantics), so every copy of a parameter gets
+the gradient of the global batch's mean loss and the user's optimizer keeps the copies equal. Gradients
+accumulated before the step are set aside and added back, so ``accumulate=K`` sums exact gradients.
+Must never plan (it runs the layout it is given) and never write a schedule of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed import pipelining
+
+from torch_autopar import _compat, launch
+from torch_autopar.capture.modules import split_stages
+from torch_autopar.errors import AutoparError
+from torch_autopar.runtime import backend as backends
+from torch_autopar.runtime.modes import get_mode
+from torch_autopar.runtime.parallel_module import broadcast_module_state
+from torch_autopar.search.pipeline import stage_of_units
+
+_SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
+              "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B}
+
+
+class _CompiledStage(torch.nn.Module):
+    """A stage run through ``torch.compile`` with the "autopar" backend (graph mode); same parameters."""
+
+    def __init__(self, stage: torch.fx.GraphModule):
+        super().__init__()
+        self.stage = stage
+        self._run = backends.compile_own(stage, backends.autopar_backend, fullgraph=False)
+
+    def forward(self, *args):
+        return self._run(*args)
+
+
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int):
+    """Create a group for each list (every rank must call this with the same lists); this rank's one, or None."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+class PipelineModule(torch.nn.Module):
+    """The user's module run as a pipeline; ``planner(module, args)`` gives its ``PipelineLayout``."""
+
+    def __init__(self, module: torch.nn.Module, *, planner, pipeline_size: int, loss_fn=None,
+                 mode: str | None = None):
+        super().__init__()
+        object.__setattr__(self, "_user", module)  # not a submodule: parameters() are this rank's stages'
+        self.loss_fn, self.mode, self._planner = loss_fn, mode, planner
+        self.pipeline_size = pipeline_size
+        """Pipeline ranks; the job's ranks are (world / pipeline_size data-parallel) x pipeline_size."""
+        rank, world = _world()
+        self._dp, self._pp = world // pipeline_size, pipeline_size
+        self._d, self._p = divmod(rank, pipeline_size)
+        self.layout = None
+        self.stages: torch.nn.ModuleList | None = None
+        self._schedules: dict = {}
+
+    # ---- set-up -------------------------------------------------------------------------------------------
+    def prepare(self, args: tuple, kwargs: dict | None = None):
+        """Plan and build this rank's stages from one call's inputs (what this rank passes)."""
+        if kwargs:
+            raise AutoparError(f"a pipelined model takes positional inputs; found keywords {sorted(kwargs)}. "
+                               "Pass them positionally.")
+        if self.layout is None:
+            self._build(self._planner(self._user, tuple(args)))
+        return self.plan
+
+    def _build(self, layout) -> None:
+        rank, world = _world()
+        self.layout, plan = layout, layout.plan
+        if tuple(plan.mesh_shape) != (self._dp, self._pp):
+            raise AssertionError(f"plan mesh {plan.mesh_shape} vs ({self._dp}, {self._pp})")
+        count = plan.pipeline_stages
+        self._mine = [s for s in range(count) if s % self._pp == self._p]
+        graphs = split_stages(layout.top, layout.unit, stage_of_units(layout.cuts))
+        self._graphs = graphs
+        if world > 1:
+            broadcast_module_state(self._user, None)  # every copy starts from rank 0's values, as DDP does
+            self._pp_group = _new_groups([[d * self._pp + p for p in range(self._pp)] for d in range(self._dp)], rank)
+            self._dp_group = _new_groups([[d * self._pp + p for d in range(self._dp)] for p in range(self._pp)], rank)
+            self._tied = self._tied_groups(graphs, rank)
+        mode = self.mode or get_mode()
+        self.stages = torch.nn.ModuleList(_CompiledStage(graphs[s]) if mode == "graph" else graphs[s]
+                                          for s in self._mine)
+
+    def _tied_groups(self, graphs, rank) -> list[tuple[list[torch.nn.Parameter], object]]:
+        """For each set of pipeline ranks sharing parameters: (this rank's copies, the group of those ranks)."""
+        holders: dict[int, set[int]] = {}
+        params: dict[int, torch.nn.Parameter] = {}
+        for s, graph in enumerate(graphs):
+            for param in graph.parameters():
+                holders.setdefault(id(param), set()).add(s % self._pp)
+                params[id(param)] = param
+        shared: dict[tuple, list] = {}
+        for key, ranks in holders.items():
+            if len(ranks) > 1:
+                shared.setdefault(tuple(sorted(ranks)), []).append(params[key])
+        tied = []
+        for ranks, members in sorted(shared.items()):
+            group = _new_groups([[d * self._pp + p for p in ranks] for d in range(self._dp)], rank)
+            if self._p in ranks:
+                tied.append((members, group))
+        return tied
+
+    def _schedule(self, args: tuple, targets, *, backward: bool = True):
+        """The schedule for inputs of these shapes (PipelineStage fixes its buffers' shapes at its first step);
+        without ``backward`` one with no loss, which runs forwards only."""
+        key = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        key += (tuple(targets.shape) if isinstance(targets, torch.Tensor) else None, backward)
+        if key not in self._schedules:
+            device = torch.device(launch.device_type())
+            count, group = self.plan.pipeline_stages, getattr(self, "_pp_group", None)
+            stages = [pipelining.PipelineStage(module, s, count, device, group=group)
+                      for s, module in zip(self._mine, self.stages)]
+            kind = _SCHEDULES[self.plan.schedule]
+            target = stages if kind is pipelining.ScheduleInterleaved1F1B else stages[0]
+            self._schedules[key] = kind(target, n_microbatches=self.plan.microbatches,
+                                        loss_fn=self._loss if backward else None, scale_grads=False)
+        return self._schedules[key]
+
+    def _loss(self, output, target):
+        return self.loss_fn(output, target)
+
+    # ---- what the user calls ------------------------------------------------------------------------------
+    @property
+    def plan(self):
+        return self.layout.plan if self.layout is not None else None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """This rank's stages (the user's whole module before the first call)."""
+        return self.stages if self.stages is not None else self._user
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which slice of the global batch this rank passes (the ranks of one pipeline pass the same)."""
+        return self._d
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._dp
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self._p
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's stages' parameters under the user's names (the whole model's before the first call)."""
+        source = self.stages if self.stages is not None else self._user
+        seen = set()
+        for stage in (source if self.stages is not None else [source]):
+            stage = stage.stage if isinstance(stage, _CompiledStage) else stage
+            for name, param in stage.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate):
+                if id(param) not in seen or not remove_duplicate:
+                    seen.add(id(param))
+                    yield name, param
+
+    def train(self, mode: bool = True):
+        self._user.train(mode)
+        return super().train(mode)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Nothing to skip: each step reduces only the gradients it produced (exact under accumulation)."""
+        yield
+
+    def _check_batch(self, args: tuple) -> int:
+        leaves = _compat.pytree().tree_leaves(args)
+        batch = next((int(a.shape[0]) for a in leaves if isinstance(a, torch.Tensor) and a.ndim), None)
+        if batch is None or batch % self.plan.microbatches:
+            raise AutoparError(
+                f"a pipelined step cuts each rank's batch into {self.plan.microbatches} micro-batches; found a batch "
+                f"of {batch}. Pass batches whose dim 0 divides by microbatches={self.plan.microbatches}.")
+        return batch
+
+    def step(self, inputs, targets, *, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward over all micro-batches of this rank's ``inputs`` (a tensor or a tuple of
+        positional inputs); returns the loss of the whole global batch (the same on every rank). Gradients
+        accumulate into ``.grad`` scaled by ``loss_scale`` (1/K for K accumulated steps); the returned loss
+        is not scaled."""
+        if self.loss_fn is None:
+            raise AutoparError("pmodel.step(inputs, targets) computes the loss inside the pipeline and needs it: "
+                               "found loss_fn=None. Pass autopar.compile(..., loss_fn=fn) or train with "
+                               "autopar.Model(pmodel, loss_fn, optimizer).")
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        self.prepare(args)
+        self._check_batch(args)
+        schedule = self._schedule(args, targets)
+        params = list(self.parameters())
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        losses: list = []
+        first, last = 0 in self._mine, self.plan.pipeline_stages - 1 in self._mine
+        schedule.step(*(args if first else ()), target=targets if last else None, losses=losses if last else None)
+        self._reduce_gradients(params, loss_scale / self.plan.microbatches)
+        for p, old in zip(params, saved):
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
+        return self._global_loss(losses if last else None)
+
+    def _reduce_gradients(self, params, scale: float) -> None:
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            for members, group in getattr(self, "_tied", []):
+                for p in members:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                _all_reduce_flat([p.grad for p in members], group)
+            if self.data_parallel_size > 1:
+                grads = [p.grad for p in params if p.grad is not None]
+                _all_reduce_flat(grads, self._dp_group)
+                for g in grads:
+                    g.div_(self.data_parallel_size)
+
+    def _global_loss(self, losses) -> torch.Tensor:
+        """Mean over micro-batches on the last stage, then over data-parallel replicas: one all-reduce."""
+        local = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros(())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)
+        return local / self.data_parallel_size
+
+    def forward(self, *args, **kwargs):
+        """Forward only (no autograd history; train with ``step``): the last stage's output, on every rank."""
+        self.prepare(args, kwargs)
+        self._check_batch(args)
+        schedule = self._schedule(args, None, backward=False)
+        with torch.no_grad():
+            output = schedule.step(*(args if 0 in self._mine else ()))
+        return self._from_last_stage(output)
+
+    def _from_last_stage(self, output):
+        if self._pp == 1:
+            return output
+        source = self._d * self._pp + (self.plan.pipeline_stages - 1) % self._pp
+        pytree = _compat.pytree()
+        leaves, spec = pytree.tree_flatten(output) if output is not None else ([], None)
+        meta = [[(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves],
+                pytree.treespec_dumps(spec) if spec is not None else None]
+        dist.broadcast_object_list(meta, src=source, group=self._pp_group)
+        received = []
+        for item, mine in zip(meta[0], leaves or [None] * len(meta[0])):
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.dtype):
+                tensor = mine.contiguous() if mine is not None else torch.empty(item[0], dtype=item[1])
+                dist.broadcast(tensor, src=source, group=self._pp_group)
+                received.append(tensor)
+            else:
+                received.append(item)
+        return pytree.tree_unflatten(received, pytree.treespec_loads(meta[1]))
+
+    # ---- state --------------------------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        """Full tensors of the whole model under the user's names, gathered from the stages (call on every rank)."""
+        full = self._user.state_dict(*args, **kwargs)
+        if self.layout is None or self._pp == 1:
+            return full
+        owner = {}
+        for s, graph in enumerate(self._graphs):
+            for name in graph.state_dict():
+                owner.setdefault(name, s % self._pp)
+        for p in range(self._pp):
+            names = [n for n in full if owner.get(n, 0) == p and isinstance(full[n], torch.Tensor)]
+            _broadcast_flat([full[n] for n in names], self._d * self._pp + p, self._pp_group, full, names)
+        return full
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load full tensors (from ``state_dict()`` or the plain model); each stage keeps its part."""
+        return self._user.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _broadcast_flat(tensors, source: int, group, full: dict, names: list[str]) -> None:
+    """Broadcast ``source``'s values of ``tensors`` (one buffer per dtype) into fresh copies in ``full``."""
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        chosen = [(n, t) for n, t in zip(names, tensors) if t.dtype == dtype]
+        flat = torch.cat([t.detach().reshape(-1) for _, t in chosen])
+        dist.broadcast(flat, src=source, group=group)
+        offset = 0
+        for name, t in chosen:
+            full[name] = flat[offset:offset + t.numel()].view_as(t).clone()
+            offset += t.numel()
