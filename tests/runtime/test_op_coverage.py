@@ -123,7 +123,8 @@ def _run(rank, world, name, strategy, mode):
     state = pmodel.state_dict()
     return {"losses": losses, "params": {n: state[n].clone() for n, _ in model.named_parameters()},
             "sharded": pmodel.mesh is not None, "explain": pmodel.plan.explain(),
-            "replicated_ops": dict(pmodel.plan.replicated_ops)}
+            "replicated_ops": dict(pmodel.plan.replicated_ops),
+            "data_parallel": (pmodel.data_parallel_rank, pmodel.data_parallel_size)}
 
 
 CASES = [("llama", "tensor_parallel", "eager"), ("llama", "tensor_parallel", "graph"),
@@ -157,6 +158,13 @@ def test_sdpa_llama_equals_one_process(job, strategy, mode):
     run = _assert_equal_to_one_process(job, ("llama", strategy, mode))
     assert run["sharded"]
     assert not any("scaled_dot_product" in op for op in run["replicated_ops"]), run["replicated_ops"]
+
+
+def test_every_rank_passes_its_own_slice(job):
+    """ARCHITECTURE.md: data_parallel_rank / data_parallel_size say which slice a rank passes."""
+    for rank, result in enumerate(job):
+        for case in (("llama", "tensor_parallel", "eager"), ("graph_break", "data_parallel", "graph")):
+            assert result[case][1]["data_parallel"] == (rank, 2), (case, result[case][1]["data_parallel"])
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])

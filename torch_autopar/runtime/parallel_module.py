@@ -115,6 +115,18 @@ class ParallelModule(torch.nn.Module):
             yield
         finally:
             self._sync = previous
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which slice of the global batch this rank passes (``global.chunk(data_parallel_size)[rank]``): its own
+        under the DDP contract, for data-parallel and sharded plans alike (a pipeline's ranks share one)."""
+        return dist.get_rank() if self.world_size > 1 else 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many slices the global batch is cut into (the ranks that pass different ones)."""
+        return self.world_size
+
     @property
     def forward_calls(self) -> int:
         """How many times this module was called: the step a ``torch_autopar:`` error about a dead or stalled
