@@ -107,3 +107,19 @@ def test_library_guards_take_the_compiler_path():
     args, kwargs = fake_global_inputs(model, (torch.randn(2, 4),), {}, 1)
     program = capture(model, args, kwargs)
     assert "fc.weight" in program.params
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_gradients(policy):
+    """The layers' key/value cache is turned off (as transformers' gradient_checkpointing_enable does): a
+    recomputed layer would otherwise see the cache its forward already grew."""
+    import torch_autopar as autopar
+
+    model, reference = build_hf_model("llama"), build_hf_model("llama")
+    batch = hf_batch("llama", 4)
+    autopar.compile(model, example_kwargs=batch, strategy="stand_alone", activation_checkpointing=policy)(
+        **batch).loss.backward()
+    reference(**batch).loss.backward()
+    assert model.config.use_cache is False
+    for (name, param), other in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, other.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

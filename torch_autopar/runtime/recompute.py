@@ -81,4 +81,14 @@ def apply_activation_checkpointing(module: nn.Module, policy) -> list[nn.Module]
         current = layer.forward
         if getattr(current, "_autopar_checkpointed", None) is None:
             layer.forward = _checkpointed(current, policy)
+    _without_kv_cache(module)
     return layers
+
+
+def _without_kv_cache(module: nn.Module) -> None:
+    """A ``transformers`` model updates its key/value cache inside each layer: recomputing a layer would see the
+    cache the forward already grew (selective recomputation then fails to match its saved outputs). Turn the
+    cache off, as ``transformers``' own ``gradient_checkpointing_enable`` does; training never reads it."""
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
