@@ -68,8 +68,8 @@ net.zero_grad()
 # %% [markdown]
 # ## 2. Graph mode: same module, same loss and gradients
 #
-# The debug print calls `.item()`, which reads a tensor value while tracing; graph mode captures `forward` as
-# one graph, so switch the print off first (section 3 shows what happens with such code left in).
+# The debug print calls `.item()`, which reads a tensor value while tracing: graph mode would break the graph
+# there (section 3 shows what that means), so switch the print off to compare one compiled graph with eager.
 
 # %%
 net.debug = False
@@ -82,14 +82,16 @@ say(f"same loss: {torch.equal(eager_loss, graph_loss)}, same gradients: "
 net.zero_grad()
 
 # %% [markdown]
-# ## 3. A branch on tensor values: fine in eager, reported clearly in graph mode
+# ## 3. A branch on tensor values: fine in eager, in pieces in graph mode, refused by sharded plans
 #
-# `if h.mean() > 0.5:` needs the value of a tensor to choose the Python path. Eager mode just runs it; graph
-# mode cannot capture it as one graph and says so with a `torch_autopar:` error that names the fix.
+# `if h.mean() > 0.5:` needs the value of a tensor to choose the Python path. Eager mode just runs it. Graph
+# mode under data parallelism (and in one process) runs it as `torch.compile` does: compiled pieces with the
+# Python branch in between. A sharded strategy needs the whole forward as one graph, so it refuses with a
+# `torch_autopar:` error naming dynamo's reason and the line.
 #
 # Planning traces `forward` too (on fake tensors, to see every op). Where it cannot plan a forward with such a
-# branch (some versions of torch_autopar), a plan made for the branch-free twin (`torch.where`) serves: a plan
-# only depends on the parameters' names, shapes and dtypes.
+# branch, a plan made for the branch-free twin (`torch.where`) serves: a plan only depends on the parameters'
+# names, shapes and dtypes.
 
 
 # %%
@@ -122,14 +124,15 @@ except Exception as error:       # noqa: BLE001 - shown, then worked around
 with autopar.mode("eager"):
     say(f"eager: loss {loss_fn(gated(x), y).item():.6f}")
 with autopar.mode("graph"):
-    try:
-        gated(x)
-    except autopar.AutoparError as error:
-        say(f"graph: AutoparError\n  {error}")
+    say(f"graph (compiled pieces): loss {loss_fn(gated(x), y).item():.6f}")
+try:
+    autopar.compile(Gated(), example_inputs=(x,), strategy="fully_shard")
+except autopar.AutoparError as error:
+    say(f"fully_shard: AutoparError\n  {error}")
 
 # %% [markdown]
-# The fix it suggests: keep the model in eager mode (`autopar.compile(model, mode="eager")` or
-# `autopar.set_mode("eager")`), or express the branch without Python control flow, as `GatedWhere` does; then
+# The fix it suggests for a sharded plan: express the branch without Python control flow, as `GatedWhere` does
+# (or guard debugging code with `if not torch.compiler.is_compiling():`); then every strategy captures it and
 # both modes agree:
 
 # %%
