@@ -58,6 +58,7 @@ def test_gpt_plan_explains_stages_and_round_trips(tmp_path):
     assert plan.stages[0].layers == ["tok", "pos", "blocks.0"]
     assert plan.stages[1].layers == ["blocks.1", "ln_f", "tok.weight"]  # the tied head reads tok.weight there
     assert plan.bubble_fraction == pytest.approx(1 / 3)
+    assert not plan.is_data_parallel()  # replicated parameters, but each rank runs only its stage
     assert plan.estimated_step_time > 0 and plan.peak_memory == max(r.memory_bytes for r in plan.stages)
     text = plan.explain()
     assert "2 stages on 2 pipeline ranks, schedule=1f1b, 2 micro-batches" in text and "bubble 33.3%" in text
@@ -70,6 +71,7 @@ def test_gpt_plan_explains_stages_and_round_trips(tmp_path):
 def test_plans_without_pipeline_and_old_files(tmp_path):
     plan = autopar.plan(GPT(), torch.randint(0, 96, (8, 16)), mesh_shape=(2,), strategy="data_parallel")
     assert (plan.pipeline_stages, plan.microbatches, plan.schedule, plan.stages) == (1, 1, None, [])
+    assert plan.is_data_parallel()
     assert "pipeline" not in plan.explain()
     plan.save(tmp_path / "plan.json")
     data = json.loads((tmp_path / "plan.json").read_text())

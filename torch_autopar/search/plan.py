@@ -111,10 +111,11 @@ class Plan:
 
     def is_data_parallel(self) -> bool:
         """Parameters replicated on every axis and some input split: each rank runs the whole model on its slice
-        and gradients are averaged (whatever the plan is named: "auto" often chooses this)."""
+        and gradients are averaged (whatever the plan is named: "auto" often chooses this). A pipelined plan is
+        not: each rank runs only its stages."""
         replicated = all(all(p == "R" for p in placements) for placements in self.param_placements.values())
         split = any(any(p.startswith("S(") for p in placements) for placements in self.input_placements.values())
-        return replicated and (split or not self.input_placements) and self.world_size > 1
+        return replicated and (split or not self.input_placements) and self.world_size > 1 and self.pipeline_stages == 1
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """How many collectives of each (kind, phase) one training step runs."""
