@@ -158,6 +158,12 @@ def node_flops(op, args: tuple, kwargs: dict, out: Any) -> int:
     return int(formula(*args, out_val=out, **kwargs))
 
 
+def grad_scaler_found_inf(scaler, optimizer) -> list[torch.Tensor]:
+    """The non-finite flags ``scaler.unscale_(optimizer)`` left, one per device: what torch's own
+    ``ShardedGradScaler`` all-reduces so that every rank skips the same steps (no public accessor in 2.13)."""
+    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+
+
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the autograd engine finishes the current backward pass (as DDP does)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -18,7 +18,7 @@ from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import get_profile
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite.placement import batch_size
-from torch_autopar.runtime import ParallelModule, recompute
+from torch_autopar.runtime import ParallelModule, precision, recompute
 from torch_autopar.runtime.modes import MODES, get_mode
 from torch_autopar.runtime.pipeline import PipelineModule
 from torch_autopar.search import Plan, build_plan, check_strategy
@@ -38,18 +38,25 @@ def module_fingerprint(module: torch.nn.Module) -> str:
     return params_fingerprint({name: TensorInfo.of(p) for name, p in module.named_parameters()})
 
 
+def _capture(module, fake_args, fake_kwargs, policy):
+    """The joint graph of one call as the runtime makes it (parameters and inputs cast under ``policy``)."""
+    fake_args, fake_kwargs = precision.cast_inputs(policy, fake_args, fake_kwargs)
+    return capture(module, fake_args, fake_kwargs, call=precision.CastCall(module, policy))
+
+
 def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes,
-                  executable: bool, solver: str = "auto", fold_layers: bool = False, mode: str = "eager"):
+                  executable: bool, solver: str = "auto", fold_layers: bool = False, mode: str = "eager",
+                  policy: precision.MixedPrecision | None = None):
     started = time.perf_counter()
     fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, batch_factor)
     with folded_layers(module, enabled=fold_layers) as folding:
-        program = capture(module, fake_args, fake_kwargs)
+        program = _capture(module, fake_args, fake_kwargs, policy)
     captured = time.perf_counter()
     names = mesh.mesh_dim_names or launch.default_axis_names(mesh.ndim)
     result = build_plan(program, mesh, names, strategy=strategy, hardware=get_profile(hardware),
                         memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
                         global_batch=batch_size(fake_args, fake_kwargs), executable=executable, solver=solver,
-                        folding=folding, mode=mode)
+                        folding=folding, mode=mode, **precision.planned_dtypes(policy))
     result.search_stats.update({"capture_s": captured - started, "total_s": time.perf_counter() - started})
     return result
 
@@ -57,17 +64,21 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
 def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h100", strategy="auto",
          memory_budget=None, axis_names=None, example_kwargs=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto", fold_layers: bool = True,
-         pipeline=None, microbatches=None, schedule=None) -> Plan:
+         pipeline=None, microbatches=None, schedule=None, mixed_precision=None) -> Plan:
     """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK).
 
     solver: "auto" (exact MILP unless the problem is too large, then propagation), "milp" or "propagate".
     fold_layers: capture only the first, one middle and the last layer of long lists of identical layers and
     weigh the middle one by the number of layers it stands for (see capture.fold); False captures every layer.
-    pipeline / microbatches / schedule: as in ``compile``; the mesh's ranks are then (data-parallel, pipeline)."""
+    pipeline / microbatches / schedule: as in ``compile``; the mesh's ranks are then (data-parallel, pipeline).
+    mixed_precision: as in ``compile``; compute and activations are priced in its param_dtype, gradient
+    reductions in its reduce_dtype."""
     check_strategy(strategy)
+    policy = precision.resolve(mixed_precision)
     world = math.prod(launch.mesh.check_mesh_shape(mesh_shape, None, "mesh_shape"))
     options = pipelining.check_options(pipeline, microbatches, schedule, world)
     if options is not None:
+        _check_pipeline_precision(policy)
         _check_pipeline_strategy(strategy, None, False)
         return _offline_pipeline_plan(model, _as_tuple(example_inputs), options, world, hardware)
     if isinstance(strategy, Plan):
@@ -80,7 +91,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
         return _plan_on_mesh(model, _as_tuple(example_inputs), dict(example_kwargs or {}), mesh, batch_factor=1,
                              strategy=strategy, hardware=hardware, memory_budget=memory_budget,
                              bucket_cap_bytes=bucket_cap_bytes, executable=False, solver=solver,
-                             fold_layers=fold_layers)
+                             fold_layers=fold_layers, policy=policy)
 
 
 def _offline_pipeline_plan(model, args, options, world, hardware) -> Plan:
@@ -91,6 +102,12 @@ def _offline_pipeline_plan(model, args, options, world, hardware) -> Plan:
                            f"a {options.ranks}-stage pipeline on {world} ranks; change the batch or pipeline=.")
     return pipelining.pipeline_plan(model, args, options, world_size=world, hardware=get_profile(hardware),
                                     batch_per_rank=batch // dp, dp_share=dp).plan
+
+
+def _check_pipeline_precision(policy) -> None:
+    if policy is not None:
+        raise AutoparError(f"mixed_precision={policy!r} with pipeline=: pipelined models compute in their "
+                           "parameters' dtype in this version; expected mixed_precision=None. Drop one of them.")
 
 
 def _check_pipeline_strategy(strategy, mesh, full_batch) -> None:
@@ -140,8 +157,8 @@ def _pipeline_options(pipeline, microbatches, schedule, strategy, loss_fn):
 class _Planner:
     """Plans a module for this job's ranks from the inputs of one call (this rank's slice)."""
 
-    def __init__(self, mesh, strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode=None):
-        self.mesh, self.strategy, self.hardware, self.mode = mesh, strategy, hardware, mode
+    def __init__(self, mesh, strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode=None, policy=None):
+        self.mesh, self.strategy, self.hardware, self.mode, self.policy = mesh, strategy, hardware, mode, policy
         self.memory_budget, self.full_batch, self.bucket_cap_bytes = memory_budget, full_batch, bucket_cap_bytes
 
     def __call__(self, module, args, kwargs) -> Plan:
@@ -168,10 +185,11 @@ class _Planner:
         plan = self.strategy
         mesh = launch.mesh.job_mesh(tuple(plan.mesh_shape), tuple(plan.axis_names))
         fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, factor)
-        program = capture(module, fake_args, fake_kwargs)
+        program = _capture(module, fake_args, fake_kwargs, self.policy)
         hardware = plan.hardware if plan.hardware != "unknown" else (self.hardware or "cpu-gloo")
         planner = Planner(program, mesh, plan.axis_names, hardware=get_profile(hardware),
-                          global_batch=batch_size(fake_args, fake_kwargs), mode=self._mode())
+                          global_batch=batch_size(fake_args, fake_kwargs), mode=self._mode(),
+                          **precision.planned_dtypes(self.policy))
         return planner.executed(plan)
 
     def _plan_with_graph(self, module, args, kwargs, world, factor) -> Plan:
@@ -183,7 +201,8 @@ class _Planner:
     def _plan(self, module, args, kwargs, mesh, factor) -> Plan:
         return _plan_on_mesh(module, args, kwargs, mesh, batch_factor=factor, strategy=self.strategy,
                              hardware=self.hardware or "cpu-gloo", memory_budget=self.memory_budget,
-                             bucket_cap_bytes=self.bucket_cap_bytes, executable=True, mode=self._mode())
+                             bucket_cap_bytes=self.bucket_cap_bytes, executable=True, mode=self._mode(),
+                             policy=self.policy)
 
     def _mode(self) -> str:
         """The mode the module will run in (its own, else the global one at planning time)."""
@@ -202,7 +221,7 @@ def _check_options(strategy, mode, mesh) -> None:
 def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memory_budget=None, hardware=None,
             mode=None, full_batch: bool = False, example_kwargs=None,
             bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, activation_checkpointing=None, pipeline=None,
-            microbatches=None, schedule=None, loss_fn=None):
+            microbatches=None, schedule=None, loss_fn=None, mixed_precision=None):
     """Plan ``model`` for this job's ranks and return a module that runs the plan (also a class decorator).
 
     example_inputs: what this rank will pass (its slice of the global batch); None plans at the first call.
@@ -212,11 +231,14 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     layers of the model's nn.ModuleList); microbatches: per rank and step (None: 2N if it divides the batch, else
     N); schedule: "gpipe" | "1f1b" (default) | "interleaved_1f1b"; loss_fn(output, target): what
     ``pmodel.step(inputs, targets)`` minimises (a pipelined model computes the loss inside the schedule).
+    mixed_precision: None, "bf16", "fp16" or autopar.MixedPrecision(param_dtype=, reduce_dtype=, output_dtype=)
+    (runtime.precision): fp32 master parameters and optimizer state, forward and backward in param_dtype,
+    gradient reductions in reduce_dtype (fp32 for the short names), outputs in output_dtype (fp32).
     """
     options = dict(mesh=mesh, strategy=strategy, memory_budget=memory_budget, hardware=hardware, mode=mode,
                    full_batch=full_batch, bucket_cap_bytes=bucket_cap_bytes,
                    activation_checkpointing=activation_checkpointing, pipeline=pipeline,
-                   microbatches=microbatches, schedule=schedule, loss_fn=loss_fn)
+                   microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, mixed_precision=mixed_precision)
     if model is None:
         return lambda target: compile(target, example_inputs, example_kwargs=example_kwargs, **options)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
@@ -224,15 +246,17 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     if not isinstance(model, torch.nn.Module):
         raise AutoparError(f"compile() expected an nn.Module instance or subclass, found {type(model).__name__}.")
     _check_options(strategy, mode, mesh)
+    policy = precision.resolve(mixed_precision)
     pipeline_options = _pipeline_options(pipeline, microbatches, schedule, strategy, loss_fn)
     if pipeline_options is not None:
         _check_pipeline_strategy(strategy, mesh, full_batch)
+        _check_pipeline_precision(policy)
         return _compile_pipeline(model, example_inputs, pipeline_options, strategy, hardware, mode, loss_fn)
     if isinstance(mesh, int):
         options["mesh"] = (mesh,)
     recompute.apply_activation_checkpointing(model, activation_checkpointing)
-    planner = _Planner(options["mesh"], strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode)
-    parallel = ParallelModule(model, planner=planner, mode=mode, full_batch=full_batch)
+    planner = _Planner(options["mesh"], strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode, policy)
+    parallel = ParallelModule(model, planner=planner, mode=mode, full_batch=full_batch, mixed_precision=policy)
     if example_inputs is not None or example_kwargs:
         parallel.prepare(_as_tuple(example_inputs), dict(example_kwargs or {}))
     return parallel

@@ -134,23 +134,26 @@ def without_opaque_outputs(output):
 
 
 class _CapturableOutputs(torch.nn.Module):
-    """Calls the model and hands back ``without_opaque_outputs`` of its output.
+    """Calls the model (through ``call``, e.g. on parameters cast for mixed precision, when given) and hands back
+    ``without_opaque_outputs`` of its output.
 
     The program's output indices count the tensor outputs; they pair each tangent with its output inside the
     captured graph, and nothing matches them against the real call's output leaves."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, call=None):
         super().__init__()
         self.module = module
+        self.call = call
 
     def forward(self, *args, **kwargs):
-        return without_opaque_outputs(self.module(*args, **kwargs))
+        return without_opaque_outputs((self.call or self.module)(*args, **kwargs))
 
 
-def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedProgram:
-    """Trace ``module(*args, **kwargs)`` with its backward; ``args`` should be fake or meta tensors."""
+def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, call=None) -> CapturedProgram:
+    """Trace ``module(*args, **kwargs)`` with its backward; ``args`` should be fake or meta tensors. ``call``:
+    what runs instead of ``module`` itself (a callable that calls ``module``: its parameters stay the graph's)."""
     try:
-        graph, _ = _compat.export_joint(_CapturableOutputs(module), tuple(args), kwargs or {}, names_from=module)
+        graph, _ = _compat.export_joint(_CapturableOutputs(module, call), tuple(args), kwargs or {}, names_from=module)
     except Exception as error:  # dynamo's Unsupported/UserError, fake tensors' DataDependentOutputException, ...
         raise AutoparError(
             f"could not capture {type(module).__name__}.forward as one graph: {_compat.graph_break_reason(error)}. "

@@ -2,7 +2,8 @@
 
 For each bucket of the plan, the gradients it holds are flattened into one buffer and a functional all-reduce
 is started right after the last of them is computed, so it runs while the rest of backward computes; the
-result is waited for just before the graph returns. Written as requires / call / ensures, as torch.fx passes.
+result is waited for just before the graph returns. With a ``reduce_dtype`` (mixed precision) the buffer is cast
+to it for the all-reduce and back to the gradients' dtype after. Written as requires / call / ensures, as torch.fx passes.
 Must never reorder the compute of the original graph.
 """
 
@@ -17,6 +18,7 @@ import torch.fx as fx
 from torch_autopar import _compat
 
 aten = torch.ops.aten
+_convert = torch.ops.prims.convert_element_type.default
 
 
 @dataclass(kw_only=True)
@@ -29,11 +31,14 @@ class GradSyncResult:
 class GradSyncPass:
     """Insert one bucketed all-reduce per plan bucket for the gradient outputs of a backward graph.
 
-    grad_outputs: output position in the backward graph → parameter name.
+    grad_outputs: output position in the backward graph → parameter name; reduce_dtype: the dtype each bucket is
+    all-reduced in (None: the gradients' own).
     """
 
-    def __init__(self, grad_outputs: dict[int, str], buckets: list[list[str]], group_name: str, world_size: int):
+    def __init__(self, grad_outputs: dict[int, str], buckets: list[list[str]], group_name: str, world_size: int,
+                 reduce_dtype: torch.dtype | None = None):
         self.grad_outputs = grad_outputs
+        self.reduce_dtype = reduce_dtype
         self.buckets = buckets
         self.group_name = group_name
         self.world_size = world_size
@@ -77,18 +82,24 @@ class GradSyncPass:
         # their page faults every step). The graph is already functionalised, so in-place ops are safe here.
         flats = [after_anchor(aten.reshape.default, (g, [-1])) for g in grads]
         flat = after_anchor(aten.cat.default, (flats,))
+        grad_dtype = _value(grads[0]).dtype
+        cast = self.reduce_dtype is not None and self.reduce_dtype != grad_dtype
+        if cast:
+            flat = after_anchor(_convert, (flat, self.reduce_dtype))
         reduced = after_anchor(_compat.functional_all_reduce_inplace(), (flat, "sum", self.group_name))
         output_node = graph.find_nodes(op="output")[0]
         with graph.inserting_before(output_node):
             waited = graph.call_function(_compat.functional_wait_tensor(), (reduced,))
             mean = graph.call_function(aten.div_.Tensor, (waited, self.world_size))
+            if cast:
+                mean = graph.call_function(_convert, (mean, grad_dtype))
             sizes = [_numel(g) for g in grads]
             pieces = graph.call_function(aten.split_with_sizes.default, (mean, sizes))
             for index, (position, grad) in enumerate(zip(positions, grads)):
                 piece = graph.call_function(operator.getitem, (pieces, index))
                 outputs[position] = graph.call_function(aten.view.default, (piece, list(_shape(grad))))
         result.all_reduces += 1
-        result.synced_bytes += sum(sizes) * _itemsize(grads[0])
+        result.synced_bytes += sum(sizes) * (self.reduce_dtype.itemsize if cast else _itemsize(grads[0]))
 
     def ensures(self, result: GradSyncResult) -> None:
         waits = len(result.graph_module.graph.find_nodes(op="call_function", target=_compat.functional_wait_tensor()))

@@ -3,7 +3,8 @@
 Each parameter's post-accumulate-grad hook marks it ready; a bucket's all-reduce starts (asynchronously) as
 soon as it and every earlier bucket are ready, so every rank starts buckets in the same order and
 communication overlaps the rest of backward. At the end of backward the results are waited for and written
-back as averages. The local batch size rides along in the first bucket, so ranks that were given unequal
+back as averages (a bucket is all-reduced in ``reduce_dtype`` when one is given, for mixed precision, and
+written back in the gradients' own dtype). The local batch size rides along in the first bucket, so ranks that were given unequal
 slices (which would make the average gradient wrong) raise a clear error instead. An all-reduce that fails
 because another rank died or stalled raises a ``torch_autopar:`` error naming the step. Must never change the
 forward computation.
@@ -23,13 +24,15 @@ _PHASE = "backward: gradient all-reduce"
 
 class GradientReducer:
     def __init__(self, named_params: dict[str, torch.nn.Parameter], buckets: list[list[str]],
-                 group: dist.ProcessGroup | None, *, step=None):
-        """step: a callable giving the step number that errors about dead or stalled ranks name."""
+                 group: dist.ProcessGroup | None, *, step=None, reduce_dtype: torch.dtype | None = None):
+        """step: a callable giving the step number that errors about dead or stalled ranks name.
+        reduce_dtype: the dtype each bucket is all-reduced in (mixed precision); None: the gradients' own."""
         listed = {name for bucket in buckets for name in bucket}
         trailing = [name for name, p in named_params.items() if p.requires_grad and name not in listed]
         self.buckets = [[named_params[n] for n in bucket] for bucket in buckets + ([trailing] if trailing else [])]
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.group = group
+        self.reduce_dtype = reduce_dtype
         self._step = step or (lambda: 0)
         self.world_size = dist.get_world_size(group)
         self.local_batch: int | None = None
@@ -86,13 +89,14 @@ class GradientReducer:
         pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                   for p in params]
         batch = float(self.local_batch or 0)
-        with_batch = index == 0 and params[0].dtype in (torch.float32, torch.float64)
+        dtype = self.reduce_dtype or params[0].dtype
+        with_batch = index == 0 and dtype in (torch.float32, torch.float64)
         if with_batch:  # rides along: exact in fp32 for any realistic batch size
-            pieces.append(torch.tensor([batch, batch * batch], dtype=params[0].dtype, device=params[0].device))
+            pieces.append(torch.tensor([batch, batch * batch], dtype=dtype, device=params[0].device))
         elif index == 0:  # low-precision buckets cannot carry it exactly: one tiny collective of its own
             check = torch.tensor([batch, batch * batch], dtype=torch.float64, device=params[0].device)
             self._batch_check = (dist.all_reduce(check, group=self.group, async_op=True), check)
-        flat = torch.cat(pieces)
+        flat = torch.cat([piece.to(dtype) for piece in pieces])
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._launched.append((work, flat, with_batch))
 
@@ -130,6 +134,6 @@ class GradientReducer:
             piece = flat[offset:offset + param.numel()].view_as(param)
             offset += param.numel()
             if param.grad is None:
-                param.grad = piece.clone()
+                param.grad = piece.to(param.dtype, copy=True)
             else:
                 param.grad.copy_(piece)

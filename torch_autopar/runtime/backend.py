@@ -55,8 +55,9 @@ def register() -> None:
 
 
 def data_parallel_backend(named_params: dict[str, torch.nn.Parameter], buckets: list[list[str]],
-                          group: dist.ProcessGroup, stats: dict):
-    """A backend that averages parameter gradients over ``group`` inside each compiled backward graph."""
+                          group: dist.ProcessGroup, stats: dict, reduce_dtype: torch.dtype | None = None):
+    """A backend that averages parameter gradients over ``group`` inside each compiled backward graph (in
+    ``reduce_dtype`` when one is given: mixed precision)."""
     name_of = {id(p): n for n, p in named_params.items()}
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
@@ -67,7 +68,8 @@ def data_parallel_backend(named_params: dict[str, torch.nn.Parameter], buckets: 
             if len(outputs) != len(example_inputs):
                 raise AssertionError(
                     f"backward graph has {len(outputs)} outputs for {len(example_inputs)} forward inputs")
-            grad_pass = GradSyncPass(input_names, buckets, _compat.group_name(group), dist.get_world_size(group))
+            grad_pass = GradSyncPass(input_names, buckets, _compat.group_name(group), dist.get_world_size(group),
+                                     reduce_dtype)
             result = grad_pass(bw_gm)
             stats["all_reduces_per_backward"] = stats.get("all_reduces_per_backward", 0) + result.all_reduces
             stats["synced_bytes_per_backward"] = stats.get("synced_bytes_per_backward", 0) + result.synced_bytes

@@ -24,6 +24,8 @@ class CountedCollective:
     kind: str
     axis: str
     nbytes: int
+    dtype: str = ""
+    """Of the tensor sent ("float32", "bfloat16": mixed precision reduces gradients in its reduce_dtype)."""
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -51,18 +53,23 @@ class CollectiveCounter(TorchDispatchMode):
         info = self._kinds.get(func.overloadpacket)
         if info is not None:
             kind, which, group_index = info
-            nbytes = tensor_nbytes(out if which == "output" else args[0])
-            if which == "output" and isinstance(out, tuple):  # c10d ops return (tensors, work)
-                nbytes = tensor_nbytes(args[0])
+            sent = args[0] if which != "output" or isinstance(out, tuple) else out  # c10d ops return (tensors, work)
+            nbytes = tensor_nbytes(sent)
             group = args[group_index] if group_index is not None and len(args) > group_index else None
             axis = self._axes.get(group, str(group)) if isinstance(group, str) else self._axes.get(
                 _compat.group_name(dist.group.WORLD), "world")
-            self.records.append(CountedCollective(kind, axis, nbytes))
+            self.records.append(CountedCollective(kind, axis, nbytes, _dtype_name(sent)))
         return out
 
     def summary(self) -> Counter:
         """(kind, axis, bytes) → how many ran."""
         return Counter((r.kind, r.axis, r.nbytes) for r in self.records)
+
+
+def _dtype_name(sent) -> str:
+    tensor = sent[0] if isinstance(sent, (list, tuple)) and sent else sent
+    tensor = tensor[0] if isinstance(tensor, (list, tuple)) and tensor else tensor
+    return str(tensor.dtype).removeprefix("torch.") if isinstance(tensor, torch.Tensor) else ""
 
 
 def planned_summary(plan) -> Counter:

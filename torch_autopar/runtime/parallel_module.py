@@ -22,6 +22,7 @@ from torch_autopar.rewrite.placement import batch_size
 from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime import checks
 from torch_autopar.runtime.modes import get_mode
+from torch_autopar.runtime.precision import CastCall, MixedPrecision, cast_inputs, cast_outputs, reduce_dtype
 from torch_autopar.runtime.sharded import ShardedRunner, check_equal_slices
 from torch_autopar.search import Plan
 
@@ -48,7 +49,8 @@ class ParallelModule(torch.nn.Module):
     """A module executed per ``plan`` on the ranks of ``group`` (None: all ranks)."""
 
     def __init__(self, module: torch.nn.Module, plan: Plan | None = None, *, planner=None, group=None,
-                 mode: str | None = None, full_batch: bool = False, broadcast_buffers: bool = True):
+                 mode: str | None = None, full_batch: bool = False, broadcast_buffers: bool = True,
+                 mixed_precision: MixedPrecision | None = None):
         super().__init__()
         if plan is None and planner is None:
             raise AssertionError("ParallelModule needs a plan or a planner")
@@ -57,6 +59,8 @@ class ParallelModule(torch.nn.Module):
         self.mode = mode
         self.full_batch = full_batch
         self.broadcast_buffers = broadcast_buffers
+        self.mixed_precision = mixed_precision
+        """The ``runtime.precision`` policy each call runs under (None: the parameters' own dtype)."""
         self.stats: dict = {"forward_calls": 0}
         self._planner = planner
         self._group = group
@@ -85,11 +89,11 @@ class ParallelModule(torch.nn.Module):
         if world > 1 and not self._distributed:
             if self._group is not None and dist.get_world_size(self._group) != dist.get_world_size():
                 raise AutoparError("a sharded plan runs on all ranks of the job; pass group=None.")
-            self._sharded = ShardedRunner(self.module, plan)
+            self._sharded = ShardedRunner(self.module, plan, self.mixed_precision)
         elif self._distributed:
             broadcast_module_state(self.module, self._group)
             self._reducer = GradientReducer(dict(self.module.named_parameters()), plan.grad_buckets, self._group,
-                                            step=self._step)
+                                            step=self._step, reduce_dtype=reduce_dtype(self.mixed_precision))
         self._param_ids = checks.parameter_ids(self.module)
 
     @property
@@ -153,6 +157,7 @@ class ParallelModule(torch.nn.Module):
         self._check_call(args, kwargs, split, mode)
         if self.full_batch and split:
             args, kwargs = self._local_slice(args, kwargs)
+        args, kwargs = cast_inputs(self.mixed_precision, args, kwargs)
         if self._distributed and self.broadcast_buffers:
             self._broadcast_buffers()
         if self._sharded is not None:
@@ -162,6 +167,7 @@ class ParallelModule(torch.nn.Module):
                 raise self._graph_error(error) from error
         else:
             output = self._run_graph(args, kwargs) if mode == "graph" else self._run_eager(args, kwargs)
+        output = cast_outputs(self.mixed_precision, output)
         if self.full_batch and split:
             output = pytree.tree_map(self._gather_batch, output)
         return output
@@ -177,7 +183,7 @@ class ParallelModule(torch.nn.Module):
     def _run_eager(self, args, kwargs):
         if self._reducer is not None and torch.is_grad_enabled() and self._sync:
             self._reducer.arm(batch_size(args, kwargs))
-        return self.module(*args, **kwargs)
+        return CastCall(self.module, self.mixed_precision)(*args, **kwargs)
 
     def _run_graph(self, args, kwargs):
         if self._compiled is None:
@@ -201,10 +207,11 @@ class ParallelModule(torch.nn.Module):
         if self._distributed:
             group = self._group or dist.group.WORLD
             backend = backends.data_parallel_backend(dict(self.module.named_parameters()), self.plan.grad_buckets,
-                                                     group, self.stats)
+                                                     group, self.stats, reduce_dtype(self.mixed_precision))
         else:
             backend = backends.autopar_backend
-        return backends.compile_own(self.module, backend, fullgraph=False)  # graph breaks: pieces, as torch.compile
+        target = self.module if self.mixed_precision is None else CastCall(self.module, self.mixed_precision)
+        return backends.compile_own(target, backend, fullgraph=False)  # graph breaks: pieces, as torch.compile
 
     def _check_batch_sizes(self, args, kwargs) -> None:
         check_equal_slices(batch_size(args, kwargs), self.world_size, self._group,

@@ -19,6 +19,7 @@ from torch_autopar.capture.program import without_opaque_outputs
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import placement
 from torch_autopar.runtime.backend import compile_own
+from torch_autopar.runtime.precision import MixedPrecision, compute_parameters
 from torch_autopar.search import Plan
 
 _REPLACED: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
@@ -60,8 +61,8 @@ def _remember_replacements(before: dict, module: torch.nn.Module) -> None:
 class ShardedRunner:
     """The module's parameters placed per ``plan`` on a mesh over all ranks, and how one call runs."""
 
-    def __init__(self, module: torch.nn.Module, plan: Plan):
-        self.module, self.plan = module, plan
+    def __init__(self, module: torch.nn.Module, plan: Plan, mixed_precision: MixedPrecision | None = None):
+        self.module, self.plan, self.mixed_precision = module, plan, mixed_precision
         self.mesh = placement.mesh_for_plan(plan)
         placement.replicate_ops_without_rules(plan.replicated_ops)
         before = dict(module.named_parameters(remove_duplicate=False))
@@ -69,8 +70,7 @@ class ShardedRunner:
         _remember_replacements(before, module)
         self.gradients = placement.GradientPlacement(module)
         self.gathered = placement.gathered_parameters(module, plan)
-        params = dict(module.named_parameters())
-        self._gather = [(name, params[name], wanted) for name, wanted in self.gathered.items()]
+        self._params = dict(module.named_parameters())
         self._compiled = None
 
     @property
@@ -81,8 +81,9 @@ class ShardedRunner:
         """One call on this rank's slice: global DTensor inputs → the user's forward → this rank's outputs."""
         batch = placement.global_batch_size(args, kwargs, self.world_size)
         global_args, global_kwargs = placement.inputs_to_global(args, kwargs, self.mesh, self.plan.input_placements)
-        if self._gather:  # the whole parameters for this forward, gathered once (the module's own stay sharded)
-            whole = {name: param.redistribute(self.mesh, wanted) for name, param, wanted in self._gather}
+        # the whole parameters for this forward, gathered once (the module's own stay sharded), cast if mixed
+        whole = compute_parameters(self._params, self.gathered, self.mixed_precision)
+        if whole:
             output = torch.func.functional_call(self.module, whole, global_args, global_kwargs, strict=False)
         else:
             output = self.module(*global_args, **global_kwargs)

@@ -3,7 +3,9 @@
 Batches reach each rank as ``runtime.data`` describes (DistributedSampler semantics: every kept sample once per
 epoch, equal local batches, at most world - 1 samples per epoch "dropped"). One optimizer step is ``accumulate``
 micro-steps (gradients averaged over ranks only on the last when the plan allows, ``ParallelModule.no_sync``),
-then optional non-finite checks (``detect_anomalies``), gradient clipping, the optimizer and the LR scheduler,
+then optional non-finite checks (``detect_anomalies``), gradient clipping, the optimizer and the LR scheduler
+(a network compiled with fp16 mixed precision scales its loss with a ``torch.amp.GradScaler``, unscales before
+clipping and skips the steps whose gradients overflowed, on every rank alike),
 the step callbacks and, every ``checkpoint_every`` steps, a checkpoint (``runtime.checkpoint``) from which
 ``resume=True`` continues exactly: same batches, same RNG draws, same numbers. Must never plan or synchronise
 gradients itself: the compiled network does.
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torch_autopar.errors import AutoparError
-from torch_autopar.runtime import checkpoint
+from torch_autopar.runtime import checkpoint, precision
 from torch_autopar.runtime.anomalies import check_finite
 from torch_autopar.runtime.data import Feed, make_feed, split, to_device
 from torch_autopar.runtime.grad_norm import clip_grad_norm_
@@ -73,6 +75,14 @@ class _Epoch:
         return {"epoch": self.epoch, "consumed": self.consumed, "loss_sum": self.loss_sum, "count": self.count}
 
 
+def _check_same_precision(network, mixed_precision) -> None:
+    compiled_with = getattr(network, "mixed_precision", None)
+    if mixed_precision is not None and precision.resolve(mixed_precision) != compiled_with:
+        raise AutoparError(f"Model(mixed_precision={mixed_precision!r}): the network was compiled with "
+                           f"mixed_precision={compiled_with!r}; expected the same policy or None. Pass it to "
+                           "autopar.compile, or pass the plain model to Model.")
+
+
 def _callbacks(callbacks) -> list:
     if callbacks is None:
         return []
@@ -85,18 +95,23 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 
 
 class Model:
-    """Trains ``network`` (an ``autopar.compile``d module, or a plain one to be compiled with strategy "auto")."""
+    """Trains ``network`` (an ``autopar.compile``d module, or a plain one to be compiled with strategy "auto" and
+    ``mixed_precision``, which for a compiled one must be what it was compiled with, or None)."""
 
-    def __init__(self, network: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer | None = None):
+    def __init__(self, network: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer | None = None, *,
+                 mixed_precision=None):
         if isinstance(network, PipelineModule) and network.loss_fn is None:
             network.loss_fn = loss_fn  # a pipelined network computes the loss inside its schedule (step)
         elif not isinstance(network, (ParallelModule, PipelineModule)):
             from torch_autopar.api import compile as autopar_compile
 
-            network = autopar_compile(network)
+            network = autopar_compile(network, mixed_precision=mixed_precision)
+        _check_same_precision(network, mixed_precision)
         self.network = network
         self.loss_fn = loss_fn
         self.optimizer = optimizer
+        self.grad_scaler = precision.grad_scaler(getattr(network, "mixed_precision", None), _device_of(network))
+        """The ``torch.amp.GradScaler`` a network compiled with fp16 mixed precision trains with (else None)."""
 
     def train(self, epochs: int, dataset, *, batch_size: int | None = None, shuffle: bool = True, seed: int = 0,
               progress: bool = True, num_workers: int = 0, pin_memory: bool | None = None, accumulate: int = 1,
@@ -168,6 +183,8 @@ class Model:
         run.step = extra.get("step", 0)
         if run.lr_scheduler is not None and saved.get("scheduler") is not None:
             run.lr_scheduler.load_state_dict(saved["scheduler"])
+        if self.grad_scaler is not None and saved.get("scaler") is not None:
+            self.grad_scaler.load_state_dict(saved["scaler"])
         # another world size (no per-rank state): the same number of global batches into the epoch; a checkpoint
         # from save_checkpoint (no position): the data starts afresh
         position = saved.get("position") or {"epoch": extra.get("epoch", 0), "consumed": extra.get("consumed", 0)}
@@ -211,7 +228,8 @@ class Model:
             return float(self.network.step(tuple(inputs), target, loss_scale=scale)), len(target)
         with contextlib.nullcontext() if sync else self.network.no_sync():
             loss = self.loss_fn(self.network(*inputs), target)
-            (loss * scale if scale != 1.0 else loss).backward()
+            scaled = loss * scale if scale != 1.0 else loss
+            (scaled if self.grad_scaler is None else self.grad_scaler.scale(scaled)).backward()
         return float(loss.detach()), len(target)
 
     def _optimizer_step(self, run: _Run, state: _Epoch, group: list[tuple[float, int]]) -> None:
@@ -219,9 +237,15 @@ class Model:
         if run.detect_anomalies:
             check_finite([loss for loss, _ in group], list(self.network.module.named_parameters()), run.step,
                          state.epoch + 1)
+        if self.grad_scaler is not None:
+            precision.unscale(self.grad_scaler, self.optimizer)
         if run.clip_grad_norm is not None:
             clip_grad_norm_(self.network.parameters(), run.clip_grad_norm)
-        self.optimizer.step()
+        if self.grad_scaler is None:
+            self.optimizer.step()
+        else:  # skips the step if any rank's gradients overflowed, then adapts the scale
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if run.lr_scheduler is not None:
             run.lr_scheduler.step()
@@ -251,7 +275,8 @@ class Model:
 
     def _save(self, run: _Run, state: _Epoch, loader_state) -> None:
         rank_state = {"position": state.as_dict(), "loader": loader_state,
-                      "scheduler": run.lr_scheduler.state_dict() if run.lr_scheduler is not None else None}
+                      "scheduler": run.lr_scheduler.state_dict() if run.lr_scheduler is not None else None,
+                      "scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
         extra = {"step": run.step, "epoch": state.epoch, "consumed": state.consumed}
         checkpoint.save(run.checkpoint_dir, self.network, self.optimizer, extra, rank_state)
 

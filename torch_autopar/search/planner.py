@@ -127,7 +127,8 @@ class Planner:
     def __init__(self, program: CapturedProgram, mesh: DeviceMesh, axis_names, *, hardware: HardwareProfile,
                  memory_budget: int | None = None, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
                  global_batch: int | None = None, solver: str = "auto", time_limit_s: float = 60.0,
-                 folding=None, mode: str = "eager"):
+                 folding=None, mode: str = "eager", param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         self.program, self.mesh, self.axis_names = program, mesh, tuple(axis_names)
         self.cost = CostModel(hardware, tuple(mesh.shape), mesh)
         self.budget = memory_budget if memory_budget is not None else hardware.memory_bytes
@@ -137,6 +138,9 @@ class Planner:
         self.weights = node_weights(program, self.folding)
         self.mode = mode
         """How compile will run a sharded plan: "eager" pays DTensor's per-op host overhead, "graph" does not."""
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        """Mixed precision (runtime.precision): the dtype parameters are gathered in and gradients reduced in
+        (None: their own). Compute and activations are priced from the captured graph, which computes in it."""
 
     # one candidate ----------------------------------------------------------------------------------------------
     def propagated(self, strategy: str) -> Plan:
@@ -287,7 +291,8 @@ class Planner:
         est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names)
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
                           lambda name: program.grad_nodes.get(fold.captured_name(name)),
-                          {n: info.nbytes for n, info in infos.items()}, placements, self.axis_names)
+                          {n: _in_dtype(info, self.reduce_dtype) for n, info in infos.items()}, placements,
+                          self.axis_names)
         est.add_exposed_comm(estimate)
         est.add_memory(estimate, program, sharding, self.cost)
         inputs = {i: format_placements(sharding.specs[n].placements) for i, n in program.input_nodes.items()
@@ -327,7 +332,7 @@ class Planner:
             seeds[node] = parse_placements(wanted) if wanted else (arrival if batch else replicate)
         sharding = propagate(program, self.mesh, seeds)
         for name, node in program.param_nodes.items():  # the gathers of the forward, once per step
-            self._note_move(sharding, node, params[name], computed[name], False)
+            self._note_move(sharding, node, params[name], computed[name], False, self.param_dtype)
         for node in program.input_nodes.values():
             self._note_move(sharding, node, arrival if node.meta["val"].ndim >= 1 else replicate, seeds[node], False)
         for output in program.output_nodes.values():
@@ -381,12 +386,12 @@ class Planner:
         plan.peak_memory = sum(plan.memory_breakdown.values())
 
     @staticmethod
-    def _note_move(sharding, node, source, target, backward: bool) -> None:
+    def _note_move(sharding, node, source, target, backward: bool, dtype: torch.dtype | None = None) -> None:
         if tuple(source) != tuple(target):
             value = node.meta["val"]
             sharding.redistributions.append(Redistribution(
                 node=node.name, arg_index=0, source=tuple(source), target=tuple(target),
-                global_nbytes=value.numel() * value.element_size(), backward=backward))
+                global_nbytes=value.numel() * (dtype or value.dtype).itemsize, backward=backward))
 
     # choosing ---------------------------------------------------------------------------------------------------
     def plan(self, strategy: str, *, executable: bool = False) -> Plan:
@@ -454,12 +459,22 @@ class Planner:
 def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strategy: str = "auto",
                hardware: HardwareProfile, memory_budget: int | None = None,
                bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, global_batch: int | None = None,
-               executable: bool = False, solver: str = "auto", folding=None, mode: str = "eager") -> Plan:
+               executable: bool = False, solver: str = "auto", folding=None, mode: str = "eager",
+               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> Plan:
     """The best plan for ``program`` on ``mesh`` among the candidates ``strategy`` allows."""
     planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
                       bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver, folding=folding,
-                      mode=mode)
-    return planner.plan(strategy, executable=executable)
+                      mode=mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    plan = planner.plan(strategy, executable=executable)
+    if param_dtype is not None:
+        plan.notes.append(f"mixed precision: compute and activations in {param_dtype}, gradient reductions in "
+                          f"{reduce_dtype}, parameters and optimizer state in their own dtype")
+    return plan
+
+
+def _in_dtype(info, dtype: torch.dtype | None) -> int:
+    """Bytes of a tensor described by ``info`` once cast to ``dtype`` (None: as it is)."""
+    return info.nbytes if dtype is None else info.numel * dtype.itemsize
 
 
 def plan_from_parameters(params: dict, world_size: int, axis_names, *, strategy: str, reason: str,

@@ -1,0 +1,201 @@
+"""Mixed precision (runtime.precision): bf16 training on 2 gloo ranks stays within 1e-2 relative of an fp32
+one-process run over 10 steps (data parallel eager and graph, fully_shard and tensor_parallel eager and graph; MLP
+and GPT); master parameters, their gradients and the optimizer state stay fp32; gradient collectives run in the
+policy's reduce_dtype (counted, with their dtypes); the planner prices compute in param_dtype and gradient
+reductions in reduce_dtype; a bad policy is a clear error.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+
+import torch_autopar as autopar
+from torch_autopar.errors import AutoparError
+from torch_autopar.runtime.comm_count import CollectiveCounter
+from torch_autopar.testing import run_on_ranks
+from tests import support
+
+STEPS = 10
+REL = 1e-2
+CASES = [(model, strategy, mode) for model in ("mlp", "gpt")
+         for strategy in ("data_parallel", "fully_shard", "tensor_parallel") for mode in ("eager", "graph")]
+BF16_REDUCE = autopar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+REDUCE_CASES = [(strategy, policy) for strategy in ("data_parallel", "fully_shard", "tensor_parallel")
+                for policy in ("bf16", "bf16_reduce")]
+POLICIES = {"bf16": "bf16", "bf16_reduce": BF16_REDUCE}
+
+
+def _train(rank, world, model_name, strategy, mode, steps=STEPS):
+    torch._dynamo.reset()
+    model = support.build_model(model_name)
+    x, _ = support.global_batch(model_name, 0)
+    pmodel = autopar.compile(model, x.chunk(world)[rank], strategy=strategy, mode=mode, mixed_precision="bf16")
+    optimizer = support.make_optimizer("adamw", pmodel.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = support.global_batch(model_name, step)
+        output = pmodel(x.chunk(world)[rank])
+        loss = support.loss_fn(model_name, output, y.chunk(world)[rank])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    state = [value for values in optimizer.state.values() for value in values.values()
+             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim > 0]
+    return {"losses": losses, "output_dtype": str(output.dtype), "sharded": pmodel.mesh is not None,
+            "param_dtypes": sorted({str(p.dtype) for p in pmodel.parameters()}),
+            "grad_dtypes": sorted({str(p.grad.dtype) for p in pmodel.parameters() if p.grad is not None}),
+            "state_dtypes": sorted({str(t.dtype) for t in state})}
+
+
+def _collectives(rank, world, strategy, policy_name):
+    """One eager step of the MLP: (phase, kind, dtype) → how many collectives ran."""
+    model = support.build_model("mlp")
+    x, y = support.global_batch("mlp", 0)
+    pmodel = autopar.compile(model, x.chunk(world)[rank], strategy=strategy, mode="eager",
+                             mixed_precision=POLICIES[policy_name])
+    counted = Counter()
+    with CollectiveCounter(pmodel.mesh) as forward:
+        loss = support.loss_fn("mlp", pmodel(x.chunk(world)[rank]), y.chunk(world)[rank])
+    with CollectiveCounter(pmodel.mesh) as backward:
+        loss.backward()
+    for phase, counter in (("forward", forward), ("backward", backward)):
+        counted.update((phase, r.kind, r.dtype) for r in counter.records)
+    return dict(counted)
+
+
+def _job(rank, world):
+    results = {case: support.outcome(_train, rank, world, *case) for case in CASES}
+    results.update({("reduce", *case): support.outcome(_collectives, rank, world, *case) for case in REDUCE_CASES})
+    return results
+
+
+@pytest.fixture(scope="module")
+def job():
+    return run_on_ranks(_job, 2, timeout_s=900)
+
+
+@functools.cache
+def _fp32_reference(model_name) -> list[float]:
+    model = support.build_model(model_name)
+    optimizer = support.make_optimizer("adamw", model.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = support.global_batch(model_name, step)
+        loss = support.loss_fn(model_name, model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _ok(outcomes, what):
+    for rank, (status, value) in enumerate(outcomes):
+        assert status == "ok", f"rank {rank} {what}: {status}: {value}"
+    return [value for _, value in outcomes]
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_bf16_within_1e2_of_fp32_one_process_and_masters_stay_fp32(job, case):
+    model_name, strategy, mode = case
+    runs = _ok([result[case] for result in job], case)
+    assert runs[0]["sharded"] == (strategy != "data_parallel"), f"{case}: expected the strategy to run as named"
+    mean = [sum(run["losses"][s] for run in runs) / len(runs) for s in range(STEPS)]
+    support.assert_losses_close(mean, _fp32_reference(model_name), rel=REL, what=f"bf16 {case}")
+    bf16 = [run["losses"] for run in runs]
+    assert any(abs(a - b) > 0 for a, b in zip(mean, _fp32_reference(model_name))), (
+        f"{case}: bf16 losses equal fp32 ones exactly ({bf16}): nothing ran in bf16")
+    for run in runs:
+        assert run["param_dtypes"] == run["grad_dtypes"] == run["state_dtypes"] == ["torch.float32"], (case, run)
+        assert run["output_dtype"] == "torch.float32", (case, run)
+
+
+def _reduce_counts(job, strategy, policy_name):
+    runs = _ok([result[("reduce", strategy, policy_name)] for result in job], (strategy, policy_name))
+    assert runs[0] == runs[1], f"ranks ran different collectives: {runs}"
+    return runs[0]
+
+
+@pytest.mark.parametrize("strategy", ["data_parallel", "fully_shard", "tensor_parallel"])
+def test_gradient_reductions_run_in_reduce_dtype(job, strategy):
+    for policy_name, reduce in (("bf16", "float32"), ("bf16_reduce", "bfloat16")):
+        counts = _reduce_counts(job, strategy, policy_name)
+        backward = {(kind, dtype): n for (phase, kind, dtype), n in counts.items() if phase == "backward"}
+        reductions = {(kind, dtype) for kind, dtype in backward if kind in ("all_reduce", "reduce_scatter")}
+        what = f"{strategy} {policy_name}: collectives {counts}"
+        if strategy == "data_parallel":  # the bucket(s); the batch-size check rides along or runs in float64
+            assert reductions and {dtype for _, dtype in reductions} <= {reduce, "float64"}, what
+            assert any(dtype == reduce for _, dtype in reductions), what
+        elif strategy == "fully_shard":  # gathered in param_dtype, reduce-scattered in reduce_dtype
+            assert ("reduce_scatter", reduce) in reductions, what
+            assert {dtype for kind, dtype in reductions if kind == "reduce_scatter"} == {reduce}, what
+            gathers = {dtype for (phase, kind, dtype) in counts if phase == "forward" and kind == "all_gather"}
+            assert gathers == {"bfloat16"}, what
+        else:  # this plan's parameter gradients need no reduction; activation gradients move in param_dtype
+            assert backward and {dtype for _, dtype in backward} == {"bfloat16"}, what
+
+
+def test_one_process_bf16_keeps_fp32_masters_and_computes_in_bf16():
+    model = support.build_model("mlp")
+    seen = []
+    model.layers[0].register_forward_hook(lambda module, args, out: seen.append((args[0].dtype, out.dtype)))
+    pmodel = autopar.compile(model, mixed_precision="bf16")
+    x, y = support.global_batch("mlp", 0)
+    output = pmodel(x)
+    support.loss_fn("mlp", output, y).backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)]
+    assert output.dtype == torch.float32
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    assert model.state_dict().keys() == pmodel.state_dict().keys()
+
+
+@pytest.mark.parametrize("policy, fragments", [
+    ("int8", ("mixed_precision='int8'", "'bf16'")),
+    (torch.bfloat16, ("mixed_precision=torch.bfloat16", "autopar.MixedPrecision")),
+])
+def test_bad_policy_name_is_a_clear_error(policy, fragments):
+    support.assert_autopar_error(support.outcome(autopar.compile, support.build_model("mlp"), mixed_precision=policy),
+                                 *fragments)
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"param_dtype": torch.int8}, "param_dtype=torch.int8"),
+    ({"param_dtype": torch.float64}, "param_dtype=torch.float64"),
+    ({"reduce_dtype": "bf16"}, "reduce_dtype='bf16'"),
+    ({"output_dtype": torch.int64}, "output_dtype=torch.int64"),
+])
+def test_bad_policy_fields_are_clear_errors(fields, fragment):
+    support.assert_autopar_error(support.outcome(autopar.MixedPrecision, **fields), fragment, "expected")
+
+
+def test_pipeline_with_mixed_precision_is_refused():
+    support.assert_autopar_error(
+        support.outcome(autopar.plan, support.build_model("blocks"), support.global_batch("mlp", 0)[0],
+                        mesh_shape=(2,), pipeline=2, mixed_precision="bf16"),
+        "mixed_precision=", "pipeline=")
+
+
+def _meta_plan(mixed_precision, strategy="data_parallel"):
+    with torch.device("meta"):
+        model = support.MLP((1024, 4096, 4096, 1024))
+    x = torch.empty(512, 1024, device="meta")
+    return autopar.plan(model, (x,), mesh_shape=(8,), hardware="h100", strategy=strategy,
+                        mixed_precision=mixed_precision)
+
+
+def test_plan_prices_compute_in_param_dtype_and_grad_sync_in_reduce_dtype():
+    fp32, bf16, bf16_reduce = _meta_plan(None), _meta_plan("bf16"), _meta_plan(BF16_REDUCE)
+    assert bf16.compute_time < 0.5 * fp32.compute_time, (bf16.compute_time, fp32.compute_time)
+    sync = lambda plan: sum(c.nbytes * c.count for c in plan.collectives if c.phase == "grad_sync")  # noqa: E731
+    assert sync(bf16) == sync(fp32) > 0
+    assert sync(bf16_reduce) * 2 == sync(fp32)
+    assert bf16.memory_breakdown["parameters"] == fp32.memory_breakdown["parameters"]  # fp32 masters
+    assert bf16.memory_breakdown["activations"] < fp32.memory_breakdown["activations"]
+    assert any("mixed precision" in note for note in bf16.notes)
+    with pytest.raises(AutoparError, match="mixed_precision="):
+        _meta_plan("float8")
