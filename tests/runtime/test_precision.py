@@ -68,6 +68,45 @@ def _collectives(rank, world, strategy, policy_name):
     return dict(counted)
 
 
+def _graph_sync(rank, world, policy_name):
+    """One graph-mode data-parallel step of the MLP: bytes the backward graphs all-reduce, dtypes counted."""
+    torch._dynamo.reset()
+    model = support.build_model("mlp")
+    x, y = support.global_batch("mlp", 0)
+    pmodel = autopar.compile(model, x.chunk(world)[rank], strategy="data_parallel", mode="graph",
+                             mixed_precision=POLICIES[policy_name])
+    loss = support.loss_fn("mlp", pmodel(x.chunk(world)[rank]), y.chunk(world)[rank])
+    with CollectiveCounter() as counter:
+        loss.backward()
+    grads = {str(p.grad.dtype) for p in model.parameters()}
+    return {"synced_bytes": pmodel.stats["synced_bytes_per_backward"], "grad_dtypes": grads,
+            "dtypes": sorted({r.dtype for r in counter.records})}
+
+
+def _tiny_loss(output, target):
+    """An MSE so small that its fp16 gradients underflow to zero unless the loss is scaled (trained with Adam's
+    eps far below the gradients, so that the updates do not depend on the loss's scale)."""
+    return torch.nn.functional.mse_loss(output, target) * 1e-7
+
+
+def _fp16_train(rank, world, strategy, mixed_precision):
+    generator = torch.Generator().manual_seed(0)
+    data = (torch.randn(64, 32, generator=generator), torch.randn(64, 8, generator=generator))
+    model = support.build_model("mlp")
+    network = autopar.compile(model, strategy=strategy, mixed_precision=mixed_precision)
+    trainer = autopar.Model(network, _tiny_loss, torch.optim.AdamW(network.parameters(), lr=1e-2, eps=1e-20))
+    metrics = trainer.train(4, data, batch_size=16, progress=False, shuffle=False)
+    return {"losses": [m["loss"] for m in metrics], "scaler": trainer.grad_scaler is not None,
+            "param_dtypes": sorted({str(p.dtype) for p in network.parameters()})}
+
+
+def _small_job(rank, world):
+    results = {("graph", name): support.outcome(_graph_sync, rank, world, name) for name in POLICIES}
+    results.update({("fp16", strategy): support.outcome(_fp16_train, rank, world, strategy, "fp16")
+                    for strategy in ("data_parallel", "fully_shard")})
+    return results
+
+
 def _job(rank, world):
     results = {case: support.outcome(_train, rank, world, *case) for case in CASES}
     results.update({("reduce", *case): support.outcome(_collectives, rank, world, *case) for case in REDUCE_CASES})
@@ -77,6 +116,11 @@ def _job(rank, world):
 @pytest.fixture(scope="module")
 def job():
     return run_on_ranks(_job, 2, timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def small_job():
+    return run_on_ranks(_small_job, 2, timeout_s=600)
 
 
 @functools.cache
@@ -199,3 +243,39 @@ def test_plan_prices_compute_in_param_dtype_and_grad_sync_in_reduce_dtype():
     assert any("mixed precision" in note for note in bf16.notes)
     with pytest.raises(AutoparError, match="mixed_precision="):
         _meta_plan("float8")
+
+
+def test_graph_mode_data_parallel_reduces_in_reduce_dtype(small_job):
+    fp32, bf16 = ({**_ok([r[("graph", name)] for r in small_job], name)[0]} for name in ("bf16", "bf16_reduce"))
+    assert fp32["synced_bytes"] == 2 * bf16["synced_bytes"] > 0, (fp32, bf16)
+    assert "bfloat16" in bf16["dtypes"] and "bfloat16" not in fp32["dtypes"], (fp32, bf16)
+    assert fp32["grad_dtypes"] == bf16["grad_dtypes"] == {"torch.float32"}
+
+
+@pytest.mark.parametrize("strategy", ["data_parallel", "fully_shard"])
+def test_fp16_model_train_scales_the_loss(small_job, strategy):
+    """A loss whose fp16 gradients underflow trains as in fp32 (AdamW is scale-invariant) only with the scaler."""
+    runs = _ok([r[("fp16", strategy)] for r in small_job], strategy)
+    reference = _fp16_train(0, 1, "stand_alone", None)
+    for run in runs:
+        assert run["scaler"] and run["param_dtypes"] == ["torch.float32"], run
+        support.assert_losses_close(run["losses"], reference["losses"], rel=REL, what=f"fp16 {strategy}")
+    unscaled = _fp16_without_scaler()
+    assert unscaled > 1.2 * reference["losses"][-1], (unscaled, reference["losses"])
+
+
+def _fp16_without_scaler() -> float:
+    """The last epoch's loss of ``_fp16_train``'s run written by hand without loss scaling."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 32, generator=generator), torch.randn(64, 8, generator=generator)
+    network = autopar.compile(support.build_model("mlp"), mixed_precision="fp16")
+    optimizer = torch.optim.AdamW(network.parameters(), lr=1e-2, eps=1e-20)
+    for _ in range(4):
+        losses = []
+        for xb, yb in zip(x.split(16), y.split(16)):
+            loss = _tiny_loss(network(xb), yb)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return sum(losses) / len(losses)

@@ -27,6 +27,7 @@ from torch_autopar.runtime.data import Feed, make_feed, split, to_device
 from torch_autopar.runtime.grad_norm import clip_grad_norm_
 from torch_autopar.runtime.parallel_module import ParallelModule
 from torch_autopar.runtime.pipeline import PipelineModule
+from torch_autopar.runtime.sharded import swap_sharded_parameters
 
 
 class StopTraining(Exception):
@@ -237,7 +238,8 @@ class Model:
         if run.detect_anomalies:
             check_finite([loss for loss, _ in group], list(self.network.module.named_parameters()), run.step,
                          state.epoch + 1)
-        if self.grad_scaler is not None:
+        if self.grad_scaler is not None:  # the optimizer must hold the sharded parameters that have the gradients
+            swap_sharded_parameters(self.optimizer)
             precision.unscale(self.grad_scaler, self.optimizer)
         if run.clip_grad_norm is not None:
             clip_grad_norm_(self.network.parameters(), run.clip_grad_norm)
