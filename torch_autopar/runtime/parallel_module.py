@@ -4,7 +4,8 @@ Eager: the user's Python ``forward`` runs op by op (prints and breakpoints work)
 rewrite stage's ``GradientReducer``. Graph: ``torch.compile`` with the data-parallel backend, whose backward
 graphs carry the gradient all-reduces. Both follow the semantics of ARCHITECTURE.md: each rank passes its own
 slice of the global batch (or, with ``full_batch=True``, all ranks pass the whole batch). Must never change
-the user's module's parameters except through the optimizer the user runs.
+the user's module's parameters except through the optimizer the user runs. With a ``mixed_precision`` policy
+each call casts inputs, parameters and outputs as ``runtime.precision`` says; the parameters stay fp32.
 """
 
 from __future__ import annotations
