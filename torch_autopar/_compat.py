@@ -42,16 +42,61 @@ def export_joint(module: torch.nn.Module, args: tuple, kwargs: dict | None, *, n
     Returns the joint ``GraphModule`` whose placeholders/outputs carry ``meta["desc"]`` descriptors
     (parameter, buffer, user input, tangent / forward output, gradient of a parameter).
     """
+    with contextlib.ExitStack() as stack:
+        joint = joint_with_descriptors(stack, module, args, kwargs, names_from=names_from)
+        return joint.graph_module, joint.out_spec
+
+
+def joint_with_descriptors(stack: contextlib.ExitStack, module: torch.nn.Module, args: tuple, kwargs: dict | None, *,
+                           names_from: torch.nn.Module | None = None):
+    """``export_joint``'s capture, returned as AOTAutograd's ``JointWithDescriptors`` (graph_module, params_spec,
+    buffers_spec, out_spec) for ``compile_joint``; the tracing context lives as long as ``stack``."""
     from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
     from torch._guards import TracingContext, tracing
 
     with compiling_without_logging():
         captured = _dynamo_graph_capture_for_export(module)(*args, **(kwargs or {}))
     _restore_names(names_from if names_from is not None else module, captured)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(tracing(TracingContext(captured.meta.get("fake_mode"))))
-        joint = aot_export_joint_with_descriptors(stack, captured, args, kwargs or {})
-        return joint.graph_module, joint.out_spec
+    stack.enter_context(tracing(TracingContext(captured.meta.get("fake_mode"))))
+    return aot_export_joint_with_descriptors(stack, captured, args, kwargs or {})
+
+
+def trace_local_joint(run: Callable, local_inputs: list) -> torch.fx.GraphModule:
+    """``run(*local_inputs)`` traced into an aten graph (``make_fx``): DTensor's redistributions inside appear as
+    ``_c10d_functional`` collectives and every op on local shapes. Nothing is communicated while tracing."""
+    import torch.fx.traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with fx_traceback.preserve_node_meta():
+        return make_fx(run)(*local_inputs)
+
+
+def replace_joint_graph(joint, graph_module: torch.fx.GraphModule) -> None:
+    """Make ``joint`` (a ``JointWithDescriptors``) compile ``graph_module``, a rewrite of its joint graph with the
+    same placeholders and outputs in the same order but local shapes: AOTAutograd's recorded inputs and tangents
+    are replaced by the new placeholders' values."""
+    values = [node.meta["val"] for node in graph_module.graph.find_nodes(op="placeholder")]
+    state, capture = joint._aot_state, joint._aot_graph_capture
+    primals = [torch.nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, torch.nn.Parameter) else new
+               for old, new in zip(state.flat_args, values)]
+    tangents = values[len(state.flat_args):]
+    joint.graph_module = capture.graph_module = graph_module
+    capture.updated_flat_args = (primals, tangents)
+    state.flat_args = primals
+    state.fw_metadata.traced_tangents = tangents
+    from torch._functorch._aot_autograd.schemas import MemoryFormatMeta, PlainTensorMeta
+
+    for meta, tangent in zip(state.fw_metadata.subclass_tangent_meta, tangents):  # the shapes backward coerces to
+        if isinstance(meta, PlainTensorMeta) and isinstance(tangent, torch.Tensor):
+            meta.memory_format = MemoryFormatMeta.from_tensor(tangent)
+
+
+def compile_joint(joint, fw_compiler: Callable, bw_compiler: Callable) -> Callable:
+    """Partition ``joint``'s graph into forward and backward, compile each, and return a differentiable callable
+    taking (parameters, buffers, user input leaves) as flat positional tensors and returning flat outputs."""
+    from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
+
+    return aot_compile_joint_with_descriptors(joint, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
 
 
 def _restore_names(original: torch.nn.Module, traced: torch.fx.GraphModule) -> None:

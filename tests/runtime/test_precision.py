@@ -19,6 +19,8 @@ from torch_autopar.runtime.comm_count import CollectiveCounter
 from torch_autopar.testing import run_on_ranks
 from tests import support
 
+pytestmark = pytest.mark.timeout(900)  # one spawned job trains every case (12 x 10 steps) before the first test
+
 STEPS = 10
 REL = 1e-2
 CASES = [(model, strategy, mode) for model in ("mlp", "gpt")

@@ -139,3 +139,16 @@ def test_check_compatible(dp_plan):
         dp_plan.check_compatible("0" * 16, 8)
     with pytest.raises(autopar.AutoparError, match="needs 8 ranks"):
         dp_plan.check_compatible(dp_plan.fingerprint, 4)
+
+
+def test_every_node_of_the_joint_graph_has_a_layout_that_round_trips(tmp_path):
+    """The plan carries what graph mode's per-rank program runs: an output layout for every op of the captured
+    forward+backward (a tensor-parallel search on 4 ranks shards some of them) and the input layouts each op's
+    strategy needs; save/load keeps them exactly."""
+    plan = autopar.plan(MLP(DIMS), _x(), mesh_shape=(4,), strategy="fully_shard", hardware="h100", fold_layers=False)
+    layouts = plan.node_layouts
+    assert {"addmm", "mm", "t"} <= set(layouts), sorted(layouts)[:10]
+    assert layouts["addmm"].inputs and all(len(p) == 1 for p in layouts["addmm"].inputs if p is not None)
+    assert any("S(0)" in layout.output for layout in layouts.values() if isinstance(layout.output[0], str))
+    plan.save(tmp_path / "plan.json")
+    assert autopar.Plan.load(tmp_path / "plan.json").node_layouts == layouts

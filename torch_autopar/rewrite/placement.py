@@ -21,6 +21,8 @@ Must never choose a placement (the Plan does) and never change a parameter's val
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -29,6 +31,7 @@ from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
 from torch_autopar.launch.mesh import job_mesh
 from torch_autopar.search.plan import Plan
+from torch_autopar.strategies import boundary
 from torch_autopar.strategies.placements import parse_placements
 
 pytree = _compat.pytree()  # torch.utils._pytree: no public equivalent in torch 2.13
@@ -40,12 +43,12 @@ def mesh_for_plan(plan: Plan) -> DeviceMesh:
 
 
 def batch_arrival(mesh: DeviceMesh) -> tuple:
-    """How a batch arrives: rank r holds the r-th slice of dim 0 (rank-major over every mesh axis)."""
-    return tuple(Shard(0) for _ in range(mesh.ndim))
+    """How a batch arrives (``strategies.boundary``)."""
+    return boundary.batch_arrival(mesh.ndim)
 
 
 def replicated(mesh: DeviceMesh) -> tuple:
-    return tuple(Replicate() for _ in range(mesh.ndim))
+    return boundary.replicated(mesh.ndim)
 
 
 def _placements_of(plan: Plan, name: str) -> tuple:
@@ -163,6 +166,32 @@ class _AverageOverRanks(torch.autograd.Function):
         return grad / ctx.slices, None
 
 
+def leaving(value, mesh: DeviceMesh, global_batch: int | None) -> tuple:
+    """How an output leaves the model (``strategies.boundary``)."""
+    return boundary.leaving(value, mesh.ndim, global_batch)
+
+
+@contextlib.contextmanager
+def global_parameters(module: torch.nn.Module):
+    """Inside, every DTensor parameter and buffer of ``module`` is an uninitialised plain tensor of its global
+    shape (what capturing the model's graph needs); the DTensors are back on exit. Tied tensors stay tied."""
+    swapped, stand_in = [], {}
+    for owner in module.modules():
+        for kind, tensors in (("parameter", owner._parameters), ("buffer", owner._buffers)):
+            for name, tensor in list(tensors.items()):
+                if isinstance(tensor, DTensor):
+                    if id(tensor) not in stand_in:
+                        plain = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device_mesh.device_type)
+                        stand_in[id(tensor)] = torch.nn.Parameter(plain, tensor.requires_grad) if kind == "parameter" else plain
+                    swapped.append((tensors, name, tensor))
+                    tensors[name] = stand_in[id(tensor)]
+    try:
+        yield
+    finally:
+        for tensors, name, tensor in swapped:
+            tensors[name] = tensor
+
+
 def outputs_to_local(output, mesh: DeviceMesh, global_batch: int | None):
     """Each DTensor output as this rank's plain tensor: outputs with the batch as dim 0 give the rows matching
     this rank's input slice (their gradient averaged over ranks); other outputs (a loss computed inside the
@@ -171,12 +200,11 @@ def outputs_to_local(output, mesh: DeviceMesh, global_batch: int | None):
     def to_local(leaf):
         if not isinstance(leaf, DTensor):
             return leaf
-        if global_batch is not None and leaf.ndim >= 1 and leaf.shape[0] == global_batch:
-            layout = batch_arrival(mesh)
-            local = leaf.redistribute(mesh, layout).to_local(grad_placements=layout)
-            return _AverageOverRanks.apply(local, mesh.size()) if local.requires_grad else local
-        layout = replicated(mesh)
-        return leaf.redistribute(mesh, layout).to_local(grad_placements=layout)
+        layout = leaving(leaf, mesh, global_batch)
+        local = leaf.redistribute(mesh, layout).to_local(grad_placements=layout)
+        if layout == batch_arrival(mesh) and local.requires_grad:
+            return _AverageOverRanks.apply(local, mesh.size())
+        return local
 
     return pytree.tree_map(to_local, output)
 

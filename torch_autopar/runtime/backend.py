@@ -96,9 +96,9 @@ def graph_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, str, int]]:
     return found
 
 
-def sharded_backend(stats: dict):
-    """The "autopar" backend for sharded plans (DTensor already lowered to local ops and functional
-    collectives); records each compiled graph's collectives in ``stats["graph_collectives"]``."""
+def sharded_compilers(stats: dict):
+    """(forward, backward) compilers for the graphs of a sharded plan (local ops and functional collectives);
+    each records its graph's collectives in ``stats["graph_collectives"]``."""
     recorded = stats.setdefault("graph_collectives", {"forward": [], "backward": []})
 
     def compiler(phase):
@@ -107,10 +107,13 @@ def sharded_backend(stats: dict):
             return guarded(_compat.make_boxed_func(gm.forward), stats, phase)
         return compile_graph
 
-    def backend(gm: torch.fx.GraphModule, example_inputs):
-        return _compat.aot_autograd_backend(compiler("forward"), compiler("backward"))(gm, example_inputs)
+    return compiler("forward"), compiler("backward")
 
-    return backend
+
+def sharded_backend(stats: dict):
+    """The "autopar" backend for sharded plans run through DTensor (lowered to local ops and functional
+    collectives by dynamo)."""
+    return _compat.aot_autograd_backend(*sharded_compilers(stats))
 
 
 def _call(target, *args, **kwargs):

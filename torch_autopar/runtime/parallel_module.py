@@ -163,7 +163,7 @@ class ParallelModule(torch.nn.Module):
             self._broadcast_buffers()
         if self._sharded is not None:
             try:
-                output = self._sharded.run(args, kwargs, mode, backends.sharded_backend(self.stats))
+                output = self._sharded.run(args, kwargs, mode, self.stats)
             except _compat.DynamoUnsupported() as error:
                 raise self._graph_error(error) from error
         else:

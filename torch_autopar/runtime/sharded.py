@@ -9,6 +9,7 @@ parameter replaced by its sharded version is swapped in any optimizer that still
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -18,8 +19,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch_autopar.capture.program import without_opaque_outputs
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import placement
-from torch_autopar.runtime.backend import compile_own
-from torch_autopar.runtime.precision import MixedPrecision, compute_parameters
+from torch_autopar.rewrite.program import ShardedProgram
+from torch_autopar.runtime.backend import compile_own, sharded_backend, sharded_compilers
+from torch_autopar.runtime.precision import CastCall, MixedPrecision, compute_parameters
 from torch_autopar.search import Plan
 
 _REPLACED: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
@@ -72,6 +74,7 @@ class ShardedRunner:
         self.gathered = placement.gathered_parameters(module, plan)
         self._params = dict(module.named_parameters())
         self._compiled = None
+        self._programs: dict[tuple, ShardedProgram] = {}
 
     @property
     def world_size(self) -> int:
@@ -89,13 +92,26 @@ class ShardedRunner:
             output = self.module(*global_args, **global_kwargs)
         return placement.outputs_to_local(output, self.mesh, batch)
 
-    def run(self, args, kwargs, mode: str, backend):
+    def run(self, args, kwargs, mode: str, stats: dict):
         self.check_batch_sizes(args, kwargs)
         if mode != "graph":
             return self.forward(*args, **kwargs)
+        if os.environ.get("AUTOPAR_SHARDED_GRAPH", "program") == "program":
+            return self._program(args, kwargs, stats)(self.module, args, kwargs)
         if self._compiled is None:  # objects like a key/value cache would hold DTensors the graph cannot return
-            self._compiled = compile_own(lambda *a, **k: without_opaque_outputs(self.forward(*a, **k)), backend)
+            self._compiled = compile_own(lambda *a, **k: without_opaque_outputs(self.forward(*a, **k)),
+                                         sharded_backend(stats))
         return self._compiled(*args, **kwargs)
+
+    def _program(self, args, kwargs, stats: dict) -> ShardedProgram:
+        """The plan's per-rank program for inputs shaped as these (traced and compiled on first use)."""
+        key = tuple(tuple(leaf.shape) for leaf in placement.pytree.tree_leaves((args, kwargs))
+                    if isinstance(leaf, torch.Tensor))
+        if key not in self._programs:
+            self._programs[key] = ShardedProgram(self.module, self.plan, self.mesh, args, kwargs,
+                                                 compilers=sharded_compilers(stats),
+                                                 call=CastCall(self.module, self.mixed_precision))
+        return self._programs[key]
 
     def check_batch_sizes(self, args, kwargs) -> None:
         """One 16-byte all-reduce: every rank must pass a slice of the same size (the global shape depends on it)."""

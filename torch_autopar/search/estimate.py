@@ -77,11 +77,25 @@ def add_compute(estimate: Estimate, program: CapturedProgram, sharding: Sharding
             estimate.forward_compute += seconds
 
 
+def _moved_value(node: fx.Node, arg_index: int) -> fx.Node:
+    """The node whose value a redistribution on input ``arg_index`` of ``node`` moves (a placeholder's own)."""
+    inputs = node.all_input_nodes
+    return inputs[arg_index] if 0 <= arg_index < len(inputs) else node
+
+
 def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
-                        axis_names) -> None:
+                        axis_names, once_per_value: bool = False) -> None:
+    """The collectives of every redistribution; ``once_per_value``: a value moved to one layout is moved once
+    for all its consumers (graph mode's program), else once per consumer (DTensor in eager mode)."""
     by_name = {node.name: node for node in program.graph.graph.nodes}
+    done = set()
     for redistribution in sharding.redistributions:
-        count = estimate.weight(by_name[redistribution.node])
+        node = by_name[redistribution.node]
+        key = (_moved_value(node, redistribution.arg_index), tuple(redistribution.target))
+        if once_per_value and key in done:
+            continue
+        done.add(key)
+        count = estimate.weight(node)
         for c in cost.moves(redistribution.source, redistribution.target, redistribution.global_nbytes):
             estimate.collectives.append(PlannedCollective(
                 kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes,

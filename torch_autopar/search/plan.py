@@ -62,6 +62,16 @@ class StageRow:
     """Parameters, gradients, Adam state and the activations in flight under the schedule."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeLayout:
+    """Where one node of the captured joint graph lives: its output's placements (one tuple per mesh axis, e.g.
+    ("S(0)", "R"); for an op with several outputs, one such tuple or None per output) and the placements each
+    of its inputs (``node.all_input_nodes``, in order) must be moved to before it runs (None: not a tensor)."""
+
+    output: tuple
+    inputs: tuple
+
+
 @dataclass(kw_only=True)
 class Plan:
     strategy: str
@@ -97,6 +107,9 @@ class Plan:
     stages: list[StageRow] = field(default_factory=list)
     bubble_fraction: float = 0.0
     """Predicted share of a step each stage idles: (stages - 1) / (microbatches + stages - 1) for GPipe/1F1B."""
+    node_layouts: dict[str, NodeLayout] = field(default_factory=dict)
+    """Every node of the captured joint graph (by name) → its layout: what graph mode's per-rank program runs
+    (empty for a plan made from the parameter list alone)."""
 
     def stage_of(self, layer: str) -> int:
         """The pipeline stage that runs module ``layer`` (0 when not pipelined)."""
@@ -182,6 +195,8 @@ class Plan:
         data["collectives"] = [PlannedCollective(**c) for c in data["collectives"]]
         data["layers"] = [LayerRow(**row) for row in data["layers"]]
         data["stages"] = [StageRow(**row) for row in data.get("stages", [])]  # files before pipelining have none
+        data["node_layouts"] = {name: NodeLayout(output=_tuples(layout["output"]), inputs=_tuples(layout["inputs"]))
+                                for name, layout in data.get("node_layouts", {}).items()}
         return Plan(**data)
 
     def explain(self) -> str:
@@ -194,3 +209,8 @@ class Plan:
         from torch_autopar.search.explain import explain_html
 
         return explain_html(self)
+
+
+def _tuples(value):
+    """JSON lists back into the tuples a NodeLayout holds (None stays None)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

@@ -26,6 +26,7 @@ from torch_autopar.cost import CostModel, HardwareProfile
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
+from torch_autopar.search.layouts import node_layouts
 from torch_autopar.search.milp import Solver
 from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective
 from torch_autopar.search.problem import build_problem
@@ -288,7 +289,8 @@ class Planner:
             est.add_compute(estimate, program, Sharding(specs={}), self.cost, scale=1.0 / self.mesh.size())
         else:
             est.add_compute(estimate, program, sharding, self.cost)
-        est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names)
+        est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names,
+                                once_per_value=self.mode == "graph")
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
                           lambda name: program.grad_nodes.get(fold.captured_name(name)),
                           {n: _in_dtype(info, self.reduce_dtype) for n, info in infos.items()}, placements,
@@ -307,6 +309,7 @@ class Planner:
             exposed_comm_time=estimate.exposed_comm, estimated_step_time=estimate.step_time,
             peak_memory=estimate.peak_memory, memory_breakdown=estimate.memory,
             search_stats={"seed": strategy, "folded_layers": dict(fold.lengths)},
+            node_layouts=node_layouts(program, sharding),
         )
 
     # what runs ---------------------------------------------------------------------------------------------------
@@ -390,7 +393,7 @@ class Planner:
         if tuple(source) != tuple(target):
             value = node.meta["val"]
             sharding.redistributions.append(Redistribution(
-                node=node.name, arg_index=0, source=tuple(source), target=tuple(target),
+                node=node.name, arg_index=-1, source=tuple(source), target=tuple(target),
                 global_nbytes=value.numel() * (dtype or value.dtype).itemsize, backward=backward))
 
     # choosing ---------------------------------------------------------------------------------------------------

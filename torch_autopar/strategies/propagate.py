@@ -25,7 +25,8 @@ from torch_autopar.strategies.placements import spec_for
 
 @dataclass(frozen=True, slots=True)
 class Redistribution:
-    """Input ``arg_index`` of ``node`` must move from ``source`` to ``target`` placements before it runs."""
+    """Input ``arg_index`` of ``node`` (its position in ``node.all_input_nodes``; -1: ``node``'s own value, as
+    it leaves the program or after it arrives) must move from ``source`` to ``target`` placements."""
 
     node: str
     arg_index: int
@@ -129,8 +130,9 @@ class _Propagator:
             return
         source_node = node.all_input_nodes[0] if index >= len(node.args) else node.args[index]
         value = source_node.meta.get("val") if isinstance(source_node, fx.Node) else None
+        position = node.all_input_nodes.index(source_node) if isinstance(source_node, fx.Node) else index
         self.result.redistributions.append(Redistribution(
-            node=node.name, arg_index=index, source=tuple(have.placements), target=tuple(want),
+            node=node.name, arg_index=position, source=tuple(have.placements), target=tuple(want),
             global_nbytes=tensor_nbytes(value), backward=self.program.is_backward(node)))
 
 
