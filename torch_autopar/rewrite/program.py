@@ -287,5 +287,4 @@ class ShardedProgram:
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
         params = [module.get_parameter(name).to_local() for name in self._params]
         buffers = [module.get_buffer(name).to_local() for name in self._buffers]
-        inputs = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
-        return self._compiled(*params, *buffers, *inputs)
+        return self._compiled(*params, *buffers, *args, **kwargs)
