@@ -50,6 +50,7 @@ from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import CostModel, HardwareProfile
 from torch_autopar.errors import AutoparError
 from torch_autopar.search.estimate import ADAM_STATE_PER_PARAM
+from torch_autopar.search.explain import _bytes
 from torch_autopar.search.plan import Plan, PlannedCollective, StageRow
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -231,7 +232,10 @@ def _boundaries(top: TopLevel, unit: dict, args: tuple) -> tuple[list[int], dict
         with _compat.recording_ops(found.count):
             found.run(*[fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
     layers = len(top.layers)
-    position = lambda node: layers if node.op == "output" else {PRE: -1, POST: layers}.get(unit[node], unit[node])  # noqa: E731
+
+    def position(node: fx.Node) -> int:  # PRE, layer k, POST (and the output) in running order
+        return layers if node.op == "output" else {PRE: -1, POST: layers}.get(unit[node], unit[node])
+
     crossing = [0] * (layers + 1)
     for node, nbytes in found.nbytes.items():
         if node.users:
@@ -303,7 +307,7 @@ class Candidate:
 
     def describe(self) -> str:
         return (f"pp={self.ranks} x dp={self.data_parallel} {self.schedule} M={self.microbatches} "
-                f"{self.layout} stages {self.step_s * 1e3:.3f} ms, {self.peak_memory / 2**30:.2f} GiB")
+                f"{self.layout} stages {self.step_s * 1e3:.3f} ms, {_bytes(self.peak_memory)}")
 
 
 def _send_seconds(cost_model: CostModel, nbytes: float) -> float:
@@ -486,7 +490,7 @@ def choose(intra: Plan | None, intra_error: str | None, pipelined: PipelineLayou
                            f"pipelining. Intra-op: {intra_error} Pipelined: {summary}. Raise memory_budget, use "
                            "more devices, or a smaller batch.")
     intra_text = (f"intra-op {intra.strategy} {intra.estimated_step_time * 1e3:.3f} ms, "
-                  f"{intra.peak_memory / 2**30:.2f} GiB" + (f" ({intra.search_stats['candidate']})"
+                  f"{_bytes(intra.peak_memory)}" + (f" ({intra.search_stats['candidate']})"
                                                            if intra.search_stats.get("candidate") else "")
                   if intra is not None else f"intra-op: nothing fits ({intra_error})")
     keep = pipelined is not None and (intra is None or pipelined.plan.estimated_step_time < intra.estimated_step_time)
@@ -514,13 +518,16 @@ def cuts_from_plan(plan: Plan, top: TopLevel) -> list[int]:
 def _plan(model, candidate: Candidate, hardware: HardwareProfile) -> Plan:
     params = {name: TensorInfo.of(p) for name, p in model.named_parameters()}
     dp, ranks = candidate.data_parallel, candidate.ranks
-    sharded = lambda info: candidate.layout == "fully_shard" and dp > 1 and info.shape and info.shape[0] >= dp  # noqa: E731
+    def placement(info: TensorInfo) -> str:
+        sharded = candidate.layout == "fully_shard" and dp > 1 and info.shape and info.shape[0] >= dp
+        return "S(0)" if sharded else "R"
+
     exposed = candidate.step_s - candidate.compute_s
     return Plan(
         strategy="pipeline" if dp == 1 else f"pipeline+{candidate.layout}", mesh_shape=(dp, ranks),
         axis_names=("dp", "pp"), hardware=hardware.name, fingerprint=params_fingerprint(params),
         global_batch=candidate.global_batch,
-        param_placements={name: ("S(0)" if sharded(info) else "R", "R") for name, info in params.items()},
+        param_placements={name: (placement(info), "R") for name, info in params.items()},
         input_placements={0: ("S(0)", "R")}, grad_buckets=[], collectives=candidate.collectives, layers=[],
         replicated_ops={}, compute_time=candidate.compute_s, exposed_comm_time=exposed,
         estimated_step_time=candidate.step_s, peak_memory=candidate.peak_memory,
