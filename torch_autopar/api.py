@@ -112,9 +112,9 @@ def _searched_pipeline(model, args, options, intra_plan, *, world, batch, hardwa
     except AutoparError as failure:  # nothing fits without a pipeline; a pipelined plan may
         intra, error = None, str(failure).removeprefix("torch_autopar: ")
     budget = memory_budget if memory_budget is not None else hardware.memory_bytes
-    layout, summary = pipelining.searched_plan(model, args, options, world_size=world, hardware=hardware, batch=batch,
-                                               global_batch=global_batch or batch, budget=budget, layouts=layouts)
-    return pipelining.choose(intra, error, layout, summary, budget)
+    found = pipelining.searched_plan(model, args, options, world_size=world, hardware=hardware, batch=batch,
+                                     global_batch=global_batch or batch, budget=budget, layouts=layouts)
+    return pipelining.choose(intra, error, found, budget)
 
 
 def _stage_layouts(strategy, *, runnable: bool) -> tuple[str, ...]:

@@ -73,15 +73,17 @@ def test_memory_binds_pipelined_plan_fits_and_is_faster(bound):
     plan = autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", memory_budget=4 * GIB, pipeline="auto")
     assert plan.pipeline_stages > 1 and plan.strategy.startswith("pipeline"), plan.explain()
     assert plan.peak_memory <= 4 * GIB
-    assert plan.estimated_step_time < plan.search_stats["intra_op_step_s"], plan.explain()
+    compared = plan.search_stats["pipeline_auto"]
+    assert compared["chosen"] == "pipelined" and compared["best_step_s"] == plan.estimated_step_time
+    assert plan.estimated_step_time < compared["intra_op_step_s"], plan.explain()
     assert plan.world_size == 64 and plan.global_batch == 8
     text = plan.explain()
     assert re.search(r"pipeline='auto' compared intra-op auto [\d.]+ ms, .* with \d+ pipelined candidates", text)
     assert "chose the pipelined plan" in text and "intra-op: auto compared data_parallel" in text
-    named = {name: autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", strategy=name)
-             for name in ("data_parallel", "fully_shard")}  # without a budget: every intra-op plan
-    for name, intra in named.items():
-        assert plan.estimated_step_time < intra.estimated_step_time, (name, intra.estimated_step_time)
+    # intra-op auto is the fastest fitting intra-op plan (it compares every named strategy); data parallelism,
+    # the fastest intra-op plan that does not fit, is slower too
+    dp = autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", strategy="data_parallel")
+    assert dp.peak_memory > 4 * GIB and plan.estimated_step_time < dp.estimated_step_time
 
 
 def test_nothing_fits_without_a_pipeline(bound):
@@ -99,10 +101,10 @@ def test_small_model_is_not_pipelined():
     tokens = torch.empty(1024, 128, dtype=torch.long, device="meta")
     plan = autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", pipeline="auto")
     assert plan.pipeline_stages == 1 and plan.strategy == "auto", plan.explain()
-    note = plan.notes[-1]
+    note, compared = plan.notes[-1], plan.search_stats["pipeline_auto"]
     assert note.startswith("pipeline='auto' compared intra-op auto") and note.endswith("chose the intra-op plan")
-    pipelined = [float(ms) for ms in re.findall(r"stages ([\d.]+) ms", note)]
-    assert pipelined and min(pipelined) > plan.estimated_step_time * 1e3, note
+    assert compared["chosen"] == "intra-op" and compared["intra_op_step_s"] == plan.estimated_step_time
+    assert compared["fitting"] > 0 and compared["best_step_s"] > plan.estimated_step_time, note
 
 
 def test_given_microbatches_and_schedule_bound_the_search(bound):
@@ -146,4 +148,4 @@ def test_llama3_70b_on_8x8x16_is_pipelined():
     tokens = torch.empty(16, 2048, dtype=torch.long, device="meta")
     plan = autopar.plan(model, tokens, mesh_shape=(8, 8, 16), hardware="h100", pipeline="auto")
     assert plan.pipeline_stages > 1 and plan.peak_memory <= 80 * GIB, plan.explain()
-    assert plan.estimated_step_time < plan.search_stats["intra_op_step_s"], plan.explain()
+    assert plan.estimated_step_time < plan.search_stats["pipeline_auto"]["intra_op_step_s"], plan.explain()

@@ -460,10 +460,20 @@ def pipeline_plan(model, args: tuple, options: PipelineOptions, *, world_size: i
     return PipelineLayout(plan=_plan(model, candidate, hardware), top=measured.top, unit=measured.unit, cuts=cuts)
 
 
+@dataclass(kw_only=True, slots=True)
+class SearchResult:
+    """What ``searched_plan`` found: the fastest pipelined plan within the budget (None if none fits)."""
+
+    layout: PipelineLayout | None
+    summary: str
+    """The candidates compared, for the chosen plan's notes."""
+    stats: dict
+    """candidates, fitting, seconds (the search's own time), best_step_s / best_peak_memory (None if none fits)."""
+
+
 def searched_plan(model, args: tuple, options: PipelineOptions, *, world_size: int, hardware: HardwareProfile,
-                  batch: int, global_batch: int, budget: int,
-                  layouts=STAGE_LAYOUTS) -> tuple[PipelineLayout | None, str]:
-    """The fastest pipelined plan within ``budget`` (None if none fits) and a summary of what was compared.
+                  batch: int, global_batch: int, budget: int, layouts=STAGE_LAYOUTS) -> SearchResult:
+    """Search the pipelined plans of ``model`` for ``world_size`` ranks and ``global_batch`` samples.
 
     args: one batch of ``batch`` samples (the global batch in autopar.plan, this rank's slice in compile)."""
     started = time.perf_counter()
@@ -473,33 +483,39 @@ def searched_plan(model, args: tuple, options: PipelineOptions, *, world_size: i
     best = best_candidate(candidates, budget)
     summary = (f"{len(candidates)} pipelined candidates (pipeline size x schedule x micro-batches x stage layout "
                f"{'/'.join(layouts)}), best per pipeline size: {_summary(candidates, budget)}")
+    stats = {"candidates": len(candidates), "fitting": sum(c.peak_memory <= budget for c in candidates),
+             "seconds": time.perf_counter() - started, "best_step_s": best.step_s if best else None,
+             "best_peak_memory": best.peak_memory if best else None}
     if best is None:
-        return None, summary
-    plan = _plan(model, best, hardware)
-    plan.search_stats["pipeline_search"] = {"candidates": len(candidates), "seconds": time.perf_counter() - started,
-                                            "fitting": sum(c.peak_memory <= budget for c in candidates)}
-    return PipelineLayout(plan=plan, top=measured.top, unit=measured.unit, cuts=best.cuts), summary
+        return SearchResult(layout=None, summary=summary, stats=stats)
+    layout = PipelineLayout(plan=_plan(model, best, hardware), top=measured.top, unit=measured.unit, cuts=best.cuts)
+    return SearchResult(layout=layout, summary=summary, stats=stats)
 
 
-def choose(intra: Plan | None, intra_error: str | None, pipelined: PipelineLayout | None, summary: str,
+def choose(intra: Plan | None, intra_error: str | None, found: SearchResult,
            budget: int) -> tuple[Plan, PipelineLayout | None]:
     """Keep pipelining only when it estimates faster than the intra-op plan or that one does not fit; the
-    chosen plan's notes say what was compared. (plan, the pipeline layout when pipelined)."""
+    chosen plan's notes say what was compared, its ``search_stats["pipeline_auto"]`` both estimates.
+    (plan, the pipeline layout when pipelined)."""
+    pipelined = found.layout
     if intra is None and pipelined is None:
         raise AutoparError(f"no plan fits the memory budget of {budget:,} bytes per device, with or without "
-                           f"pipelining. Intra-op: {intra_error} Pipelined: {summary}. Raise memory_budget, use "
-                           "more devices, or a smaller batch.")
+                           f"pipelining. Intra-op: {intra_error} Pipelined: {found.summary}. Raise memory_budget, "
+                           "use more devices, or a smaller batch.")
     intra_text = (f"intra-op {intra.strategy} {intra.estimated_step_time * 1e3:.3f} ms, "
                   f"{_bytes(intra.peak_memory)}" + (f" ({intra.search_stats['candidate']})"
-                                                           if intra.search_stats.get("candidate") else "")
+                                                    if intra.search_stats.get("candidate") else "")
                   if intra is not None else f"intra-op: nothing fits ({intra_error})")
     keep = pipelined is not None and (intra is None or pipelined.plan.estimated_step_time < intra.estimated_step_time)
     chosen = pipelined.plan if keep else intra
-    chosen.notes.append(f"pipeline='auto' compared {intra_text} with {summary}; chose "
+    chosen.notes.append(f"pipeline='auto' compared {intra_text} with {found.summary}; chose "
                         + ("the pipelined plan" if keep else "the intra-op plan"))
     if keep and intra is not None:
         chosen.notes += [f"intra-op: {note}" for note in intra.notes if note.startswith("auto compared")]
-        chosen.search_stats["intra_op_step_s"] = intra.estimated_step_time
+    chosen.search_stats["pipeline_auto"] = found.stats | {
+        "chosen": "pipelined" if keep else "intra-op",
+        "intra_op_step_s": intra.estimated_step_time if intra is not None else None,
+        "intra_op_peak_memory": intra.peak_memory if intra is not None else None}
     return chosen, pipelined if keep else None
 
 
@@ -518,6 +534,7 @@ def cuts_from_plan(plan: Plan, top: TopLevel) -> list[int]:
 def _plan(model, candidate: Candidate, hardware: HardwareProfile) -> Plan:
     params = {name: TensorInfo.of(p) for name, p in model.named_parameters()}
     dp, ranks = candidate.data_parallel, candidate.ranks
+
     def placement(info: TensorInfo) -> str:
         sharded = candidate.layout == "fully_shard" and dp > 1 and info.shape and info.shape[0] >= dp
         return "S(0)" if sharded else "R"
