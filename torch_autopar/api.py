@@ -178,7 +178,7 @@ def _compile_searched(model, example_inputs, options, strategy, hardware, memory
                                       hardware=get_profile(hardware or "cpu-gloo"), memory_budget=memory_budget,
                                       layouts=_stage_layouts(strategy, runnable=True))
     if layout is None:
-        parallel = ParallelModule(model, planner=lambda *_: plan, mode=mode)
+        parallel = ParallelModule(model, plan, mode=mode)
         parallel.prepare(args, {})
         return parallel
     parallel = PipelineModule(model, planner=lambda *_: layout, loss_fn=loss_fn, mode=mode,

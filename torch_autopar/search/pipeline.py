@@ -30,8 +30,10 @@ The rest is enumeration (``search``): a few dozen (p, schedule, M, layout) point
 ``choose`` then keeps the pipelined plan only when it estimates faster than the intra-op plan or when that one
 does not fit, and writes what was compared into the plan's notes.
 Layer cost: forward FLOPs × 3 (backward ≈ 2 × forward) from ``torch.utils.flop_counter``'s formulas on fake
-tensors, priced by the cost model's roofline per unit (a layer and its glue). FLOPs rather than parameter counts:
-an embedding has many parameters and no FLOPs, attention has FLOPs growing with the sequence and no parameters.
+tensors, priced by the cost model's roofline per unit (a layer and its glue), plus the fixed launch cost of each
+aten op it runs, per micro-batch (what makes many small micro-batches expensive). FLOPs rather than parameter
+counts: an embedding has many parameters and no FLOPs, attention has FLOPs growing with the sequence and none.
+Activation memory counts every tensor a stage's forward creates (an upper bound of what backward keeps).
 Must never run a collective or change the model.
 """
 
@@ -336,43 +338,66 @@ def _stage_sync(param_bytes: int, layout: str, cost_model: CostModel, where: str
                               seconds=cost_model.collective_time(kind, 0, param_bytes)) for kind, phase in kinds]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Stage:
+    """What a stage holds whatever the schedule: its units, parameters and activations on the measured batch."""
+
+    units: list
+    params: dict[str, tuple[int, int]]
+    activation_bytes: int
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.params.values())
+
+
+def _stages(measured: Measured, cuts: list[int], names: dict) -> list[_Stage]:
+    stage_of, stages = stage_of_units(cuts), []
+    for s in range(len(cuts) - 1):
+        units = [u for u in names if stage_of(u) == s]
+        params: dict[str, tuple[int, int]] = {}
+        for u in units:
+            params.update(measured.costs.get(u, UnitCost()).params or {})
+        stages.append(_Stage(units=units, params=params, activation_bytes=sum(
+            measured.costs.get(u, UnitCost()).activation_bytes for u in units)))
+    return stages
+
+
+def _sends(nbytes: int, s: int, microbatches: int, cost_model: CostModel) -> list[PlannedCollective]:
+    """Stage s's activations to stage s + 1 and their gradients back, once per micro-batch each."""
+    if nbytes == 0:
+        return []
+    return [PlannedCollective(kind="send", axis="pp", nbytes=nbytes, phase=phase, where=f"stage{s}->stage{s + 1}",
+                              seconds=_send_seconds(cost_model, nbytes), count=microbatches)
+            for phase in ("forward", "backward")]
+
+
 def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, layout: str, cuts: list[int],
           world_size: int, global_batch: int, hardware: HardwareProfile) -> Candidate:
     """Step time and per-rank memory of one point (the objective and constraint of the module docstring)."""
     dp = world_size // ranks
     cost_model = CostModel(hardware, (dp, ranks))
-    scale = global_batch / dp / measured.batch
+    scale = global_batch / dp / measured.batch  # a replica's batch over the measured one
     per_layer = layer_seconds(measured, cost_model, scale / microbatches)
-    stage_of, names = stage_of_units(cuts), unit_modules(measured.top, measured.unit)
-    count = len(cuts) - 1
+    names = unit_modules(measured.top, measured.unit)
     result = Candidate(ranks=ranks, schedule=schedule, microbatches=microbatches, layout=layout, cuts=cuts,
                        global_batch=global_batch, world_size=world_size)
     compute, sends, sync = [0.0] * ranks, [0.0] * ranks, [0.0] * ranks
     memory: list[dict[str, int]] = [{} for _ in range(ranks)]
-    for s in range(count):
-        units = [u for u in names if stage_of(u) == s]
-        params: dict[str, tuple[int, int]] = {}
-        for u in units:
-            params.update(measured.costs.get(u, UnitCost()).params or {})
-        param_bytes = sum(nbytes for _, nbytes in params.values())
-        rank = s % ranks
+    for s, stage in enumerate(_stages(measured, cuts, names)):
+        rank, stage_compute = s % ranks, sum(per_layer[cuts[s]:cuts[s + 1]])
         in_flight = microbatches if schedule == "gpipe" else min(microbatches, ranks - rank)
-        activations = sum(measured.costs.get(u, UnitCost()).activation_bytes for u in units) * scale
-        stage_memory = _stage_memory(param_bytes, activations * in_flight / microbatches, layout, dp)
+        stage_memory = _stage_memory(stage.param_bytes, stage.activation_bytes * scale * in_flight / microbatches,
+                                     layout, dp)
         memory[rank] = {k: memory[rank].get(k, 0) + v for k, v in stage_memory.items()}
-        stage_compute = sum(per_layer[cuts[s]:cuts[s + 1]])
+        moves = _sends(int(measured.crossing[cuts[s + 1]] * scale / microbatches), s, microbatches, cost_model)
+        moves += _stage_sync(stage.param_bytes, layout, cost_model, f"stage{s}")
         compute[rank] += stage_compute
-        send_bytes = int(measured.crossing[cuts[s + 1]] * scale / microbatches) if s < count - 1 else 0
-        sends[rank] += 2 * _send_seconds(cost_model, send_bytes)  # activations forward, their gradients back
-        if send_bytes:
-            result.collectives += [PlannedCollective(
-                kind="send", axis="pp", nbytes=send_bytes, phase=phase, where=f"stage{s}->stage{s + 1}",
-                seconds=_send_seconds(cost_model, send_bytes), count=microbatches) for phase in ("forward", "backward")]
-        stage_sync = _stage_sync(param_bytes, layout, cost_model, f"stage{s}")
-        sync[rank] += sum(c.seconds for c in stage_sync)
-        result.collectives += stage_sync
-        result.rows.append(StageRow(index=s, layers=[n for u in units for n in names[u]],
-                                    num_params=sum(numel for numel, _ in params.values()),
+        sends[rank] += sum(c.seconds for c in moves if c.kind == "send")
+        sync[rank] += sum(c.seconds for c in moves if c.kind != "send")
+        result.collectives += moves
+        result.rows.append(StageRow(index=s, layers=[n for u in stage.units for n in names[u]],
+                                    num_params=sum(numel for numel, _ in stage.params.values()),
                                     compute_s=stage_compute * microbatches, memory_bytes=sum(stage_memory.values())))
     result.compute_s = step_seconds(compute, microbatches, schedule)
     result.step_s = step_seconds([c + s for c, s in zip(compute, sends)], microbatches, schedule) + max(sync)
