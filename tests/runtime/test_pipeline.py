@@ -52,6 +52,23 @@ def _auto_case(rank, world):
     return _train(pmodel, model, "blocks", pmodel.data_parallel_size) | {"notes": pmodel.plan.notes}
 
 
+def _auto_intra_case(rank, world):
+    """pipeline='auto' where the intra-op plan estimates faster (the cpu-gloo profile): the module built is the
+    intra-op one and trains as DDP would (each rank its slice, gradients of the global batch)."""
+    model = support.build_model("blocks")
+    x, _ = support.global_batch("blocks", 0)
+    pmodel = autopar.compile(model, x.chunk(world)[rank], pipeline="auto")
+    optimizer = support.make_optimizer("adamw", pmodel.parameters())
+    for step in range(support.STEPS):
+        x, y = support.global_batch("blocks", step)
+        optimizer.zero_grad(set_to_none=True)
+        support.loss_fn("blocks", pmodel(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        optimizer.step()
+    state = pmodel.state_dict()
+    return {"stages": pmodel.plan.pipeline_stages, "notes": pmodel.plan.notes, "has_step": hasattr(pmodel, "step"),
+            "params": {n: state[n].clone() for n, _ in model.named_parameters()}}
+
+
 def _train(pmodel, model, model_name, dp):
     optimizer = support.make_optimizer("adamw", pmodel.parameters())
     slot = pmodel.data_parallel_rank
@@ -108,6 +125,7 @@ def _job(rank, world):
     results = {case: support.outcome(_train_case, rank, world, *case) for case in CASES[world]}
     if world == 2:
         results["auto"] = support.outcome(_auto_case, rank, world)
+        results["auto_intra"] = support.outcome(_auto_intra_case, rank, world)
         results["trainer"] = support.outcome(_trainer_case, rank, world)
         results["bad"] = support.outcome(_bad_inputs, rank, world)
     return results
@@ -171,6 +189,14 @@ def test_auto_pipeline_matches_one_process(jobs):
         assert any(note.endswith("chose the pipelined plan") for note in run["notes"]), run["notes"]
         support.assert_losses_close(run["losses"], ref_losses, what=what)
         support.assert_params_close(run["params"], ref_params, what=what)
+
+
+def test_auto_keeps_the_faster_intra_op_plan(jobs):
+    _, ref_params = _reference("blocks")
+    for rank, run in enumerate(_ok(_results(jobs, 2), "auto_intra")):
+        assert run["stages"] == 1 and not run["has_step"], run
+        assert run["notes"][-1].endswith("chose the intra-op plan"), run["notes"]
+        support.assert_params_close(run["params"], ref_params, what=f"rank {rank} pipeline='auto', intra-op")
 
 
 def test_model_train_uses_step(jobs):
