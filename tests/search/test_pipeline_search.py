@@ -5,6 +5,7 @@
                                                                than every intra-op plan, with or without a budget
   memory does not bind (a small GPT, 1,024 sequences)        → no pipeline; the note says what was compared
   LLaMA-3-70B on 8x8x16 with 80 GiB (``-m slow``)            → pipelined, fits, faster than intra-op
+  the small GPT on 8x8x16 (``-m slow``)                      → no pipeline
 """
 
 from __future__ import annotations
@@ -90,16 +91,19 @@ def test_nothing_fits_without_a_pipeline(bound):
     model, tokens = bound
     plan = autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", memory_budget=2 * GIB, pipeline="auto")
     assert plan.pipeline_stages > 1 and plan.peak_memory <= 2 * GIB
-    assert "compared intra-op: nothing fits (no sharding fits the memory budget" in plan.explain()
+    assert "compared intra-op: nothing fits (" in plan.explain()
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: no plan fits .* with or without pipelining"):
         autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", memory_budget=GIB // 4, pipeline="auto")
 
 
-def test_small_model_is_not_pipelined():
+@pytest.mark.parametrize("mesh,sequences", [((64,), 1024), pytest.param((8, 8, 16), 16384, marks=pytest.mark.slow)])
+def test_small_model_is_not_pipelined(mesh, sequences):
+    """A 4-layer GPT (3.4 M parameters) with a large batch: data parallelism fits and wins (on 8x8x16 the
+    intra-op search takes about 2 minutes here)."""
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=1024, block_size=128, n_layer=4, n_head=4, n_embd=256))
-    tokens = torch.empty(1024, 128, dtype=torch.long, device="meta")
-    plan = autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", pipeline="auto")
+    tokens = torch.empty(sequences, 128, dtype=torch.long, device="meta")
+    plan = autopar.plan(model, tokens, mesh_shape=mesh, hardware="h100", pipeline="auto")
     assert plan.pipeline_stages == 1 and plan.strategy == "auto", plan.explain()
     note, compared = plan.notes[-1], plan.search_stats["pipeline_auto"]
     assert note.startswith("pipeline='auto' compared intra-op auto") and note.endswith("chose the intra-op plan")
