@@ -72,14 +72,25 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
     weigh the middle one by the number of layers it stands for (see capture.fold); False captures every layer.
     pipeline / microbatches / schedule: as in ``compile``; the mesh's ranks are then (data-parallel, pipeline).
     mixed_precision: as in ``compile``; compute and activations are priced in its param_dtype, gradient
-    reductions in its reduce_dtype."""
+    reductions in its reduce_dtype.
+
+    pipeline="auto" plans ``strategy`` without a pipeline too and returns the faster of the two that fits."""
     check_strategy(strategy)
     policy = precision.resolve(mixed_precision)
     world = math.prod(launch.mesh.check_mesh_shape(mesh_shape, None, "mesh_shape"))
     options = pipelining.check_options(pipeline, microbatches, schedule, world)
     if options is not None:
         _check_pipeline_precision(policy)
-        _check_pipeline_strategy(strategy, None, False)
+        _check_pipeline_strategy(strategy, None, False, options)
+        if options.searched:
+            intra = functools.partial(plan, model, example_inputs, mesh_shape=mesh_shape, hardware=hardware,
+                                      strategy=strategy, memory_budget=memory_budget, axis_names=axis_names,
+                                      example_kwargs=example_kwargs, bucket_cap_bytes=bucket_cap_bytes,
+                                      solver=solver, fold_layers=fold_layers)
+            args = _as_tuple(example_inputs)
+            return _searched_pipeline(model, args, options, intra, world=world, batch=batch_size(args, {}) or 0,
+                                      hardware=get_profile(hardware), memory_budget=memory_budget,
+                                      layouts=_stage_layouts(strategy, runnable=False))[0]
         return _offline_pipeline_plan(model, _as_tuple(example_inputs), options, world, hardware)
     if isinstance(strategy, Plan):
         strategy.check_compatible(module_fingerprint(model), math.prod(launch.mesh.parse_mesh_shape(mesh_shape)))
@@ -110,10 +121,38 @@ def _check_pipeline_precision(policy) -> None:
                            "parameters' dtype in this version; expected mixed_precision=None. Drop one of them.")
 
 
-def _check_pipeline_strategy(strategy, mesh, full_batch) -> None:
-    if not (strategy in ("auto", "data_parallel") or isinstance(strategy, Plan) and strategy.pipeline_stages > 1):
-        raise AutoparError(f"strategy={strategy!r} with pipeline=: stages run whole (data-parallel over the ranks "
-                           "that hold them) in this version; expected strategy='auto' or 'data_parallel'.")
+def _searched_pipeline(model, args, options, intra_plan, *, world, batch, hardware, memory_budget, layouts,
+                       global_batch=None):
+    """pipeline="auto": the intra-op plan (``intra_plan()``) against the pipeline search on the same batch;
+    (the chosen plan, its pipeline layout or None)."""
+    try:
+        intra, error = intra_plan(), None
+    except AutoparError as failure:  # nothing fits without a pipeline; a pipelined plan may
+        intra, error = None, str(failure).removeprefix("torch_autopar: ")
+    budget = memory_budget if memory_budget is not None else hardware.memory_bytes
+    found = pipelining.searched_plan(model, args, options, world_size=world, hardware=hardware, batch=batch,
+                                     global_batch=global_batch or batch, budget=budget, layouts=layouts)
+    return pipelining.choose(intra, error, found, budget)
+
+
+def _stage_layouts(strategy, *, runnable: bool) -> tuple[str, ...]:
+    """Stage layouts pipeline="auto" considers: what the runtime runs when compiling, all when planning."""
+    if runnable or strategy == "data_parallel":
+        return pipelining.RUNNABLE_LAYOUTS
+    return pipelining.STAGE_LAYOUTS
+
+
+def _check_pipeline_strategy(strategy, mesh, full_batch, options) -> None:
+    given = isinstance(strategy, Plan) and strategy.pipeline_stages > 1 and not options.searched
+    if not (strategy in ("auto", "data_parallel") or given):
+        raise AutoparError(f"strategy={strategy!r} with pipeline={'auto' if options.searched else options.ranks}: "
+                           "stages run whole (data-parallel over the ranks that hold them) in this version; "
+                           "expected strategy='auto' or 'data_parallel' (or a pipelined Plan without "
+                           "pipeline='auto').")
+    if given and strategy.strategy not in ("pipeline", "pipeline+data_parallel"):
+        raise AutoparError(f"this plan's stages are {strategy.strategy.removeprefix('pipeline+')} over their ranks "
+                           f"({strategy.strategy}); the runtime runs whole (data-parallel) stages only. Plan with "
+                           "compile(..., pipeline='auto') or pipeline=N, which choose stages that run.")
     if mesh is not None or full_batch:
         raise AutoparError(f"pipeline= lays the ranks out as (data-parallel, pipeline) itself; found mesh={mesh!r}, "
                            f"full_batch={full_batch}. Drop mesh= and full_batch= for a pipelined model.")
@@ -141,6 +180,31 @@ def _compile_pipeline(model, example_inputs, options, strategy, hardware, mode, 
     return parallel
 
 
+def _compile_searched(model, example_inputs, options, strategy, hardware, memory_budget, bucket_cap_bytes, mode,
+                      loss_fn):
+    """compile(pipeline="auto"): plan before the first call, then build the pipelined or the intra-op module."""
+    if example_inputs is None:
+        raise AutoparError("pipeline='auto' chooses between a pipelined and an intra-op layout before the first "
+                           "call and needs example_inputs; found None. Pass this rank's slice of a batch (as for "
+                           "data parallelism), or pipeline=N.")
+    args = _as_tuple(example_inputs)
+    world = launch.get_world_size() if launch.is_initialized() else 1
+    batch = batch_size(args, {}) or 0
+    planner = _Planner(None, strategy, hardware, memory_budget, False, bucket_cap_bytes, mode)
+    plan, layout = _searched_pipeline(model, args, options, lambda: planner(model, args, {}), world=world,
+                                      batch=batch, global_batch=batch * world,
+                                      hardware=get_profile(hardware or "cpu-gloo"), memory_budget=memory_budget,
+                                      layouts=_stage_layouts(strategy, runnable=True))
+    if layout is None:
+        parallel = ParallelModule(model, plan, mode=mode)
+        parallel.prepare(args, {})
+        return parallel
+    parallel = PipelineModule(model, planner=lambda *_: layout, loss_fn=loss_fn, mode=mode,
+                              pipeline_size=plan.mesh_shape[-1])
+    parallel.prepare(args)
+    return parallel
+
+
 def _pipeline_options(pipeline, microbatches, schedule, strategy, loss_fn):
     world = launch.get_world_size() if launch.is_initialized() else 1
     if isinstance(strategy, Plan) and strategy.pipeline_stages > 1 and pipeline is None:
@@ -150,7 +214,7 @@ def _pipeline_options(pipeline, microbatches, schedule, strategy, loss_fn):
     options = pipelining.check_options(pipeline, microbatches, schedule, world)
     if options is None and loss_fn is not None:
         raise AutoparError("loss_fn= is for pipelined models (pmodel.step computes the loss inside the pipeline); "
-                           "found pipeline=None. Pass pipeline=N, or compute the loss yourself.")
+                           "found pipeline=None. Pass pipeline=N or 'auto', or compute the loss yourself.")
     return options
 
 
@@ -234,6 +298,10 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     mixed_precision: None, "bf16", "fp16" or autopar.MixedPrecision(param_dtype=, reduce_dtype=, output_dtype=)
     (runtime.precision): fp32 master parameters and optimizer state, forward and backward in param_dtype,
     gradient reductions in reduce_dtype (fp32 for the short names), outputs in output_dtype (fp32).
+    pipeline="auto": the number of stages, micro-batches (unless given) and schedule (unless given) are searched
+    and compared with ``strategy`` planned without a pipeline; the faster that fits is built (a pipelined module,
+    or the intra-op one, which has no ``step``: check ``pmodel.plan.pipeline_stages``). example_inputs are then
+    this rank's slice as for data parallelism; once pipelined, ranks pass ``pmodel.data_parallel_size`` slices.
     """
     options = dict(mesh=mesh, strategy=strategy, memory_budget=memory_budget, hardware=hardware, mode=mode,
                    full_batch=full_batch, bucket_cap_bytes=bucket_cap_bytes,
@@ -249,8 +317,11 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     policy = precision.resolve(mixed_precision)
     pipeline_options = _pipeline_options(pipeline, microbatches, schedule, strategy, loss_fn)
     if pipeline_options is not None:
-        _check_pipeline_strategy(strategy, mesh, full_batch)
+        _check_pipeline_strategy(strategy, mesh, full_batch, pipeline_options)
         _check_pipeline_precision(policy)
+        if pipeline_options.searched:
+            return _compile_searched(model, example_inputs, pipeline_options, strategy, hardware, memory_budget,
+                                     bucket_cap_bytes, mode, loss_fn)
         return _compile_pipeline(model, example_inputs, pipeline_options, strategy, hardware, mode, loss_fn)
     if isinstance(mesh, int):
         options["mesh"] = (mesh,)

@@ -1,22 +1,27 @@
 """Pipelined models (pipeline=2) on 2 gloo ranks (pp=2) and 4 ranks (dp=2 x pp=2) equal a one-process run:
 losses (1e-5 relative) and full parameters (rtol 1e-4, atol 1e-5) after 3 AdamW steps with ``pmodel.step``,
 for the GPT (embedding tied to the output head across the two stages) and an MLP of identical blocks, GPipe and
-1F1B, eager and graph mode; ``autopar.Model.train`` drives ``step``; ``state_dict`` gathers the whole model;
-bad inputs fail with torch_autopar errors before any collective.
+1F1B, eager and graph mode, and the MLP under pipeline="auto"; ``autopar.Model.train`` drives ``step``;
+``state_dict`` gathers the whole model; bad inputs fail with torch_autopar errors before any collective.
 
 One spawned job per (world, layout) runs every case.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 
 import torch_autopar as autopar
+from torch_autopar.cost import Link, get_profile
 from torch_autopar.testing import run_on_ranks
 from tests import support
+
+SLOW_LINK = dataclasses.replace(get_profile("cpu-gloo"), name="cpu-gloo-slow-link", intra_node=Link(1e-5, 1e6),
+                                inter_node=Link(1e-5, 1e6))
 
 CASES = {
     2: [(model, schedule, mode) for model in ("gpt", "blocks") for schedule in ("gpipe", "1f1b")
@@ -34,6 +39,37 @@ def _train_case(rank, world, model_name, schedule, mode):
     loss_fn = functools.partial(support.loss_fn, model_name)
     pmodel = autopar.compile(model, x.chunk(dp)[rank // 2], pipeline=2, schedule=schedule, loss_fn=loss_fn,
                              mode=mode)
+    return _train(pmodel, model, model_name, dp)
+
+
+def _auto_case(rank, world):
+    """pipeline='auto' under a budget below the intra-op plans but data-parallel, on a link slow enough
+    that sharding loses: the search builds 2 stages; example inputs are this rank's data-parallel slice."""
+    model = support.build_model("blocks")
+    x, _ = support.global_batch("blocks", 0)
+    pmodel = autopar.compile(model, x.chunk(world)[rank], pipeline="auto", hardware=SLOW_LINK,
+                             memory_budget=200 * 1024, loss_fn=functools.partial(support.loss_fn, "blocks"))
+    return _train(pmodel, model, "blocks", pmodel.data_parallel_size) | {"notes": pmodel.plan.notes}
+
+
+def _auto_intra_case(rank, world):
+    """pipeline='auto' where the intra-op plan estimates faster (the cpu-gloo profile): the module built is the
+    intra-op one and trains as DDP would (each rank its slice, gradients of the global batch)."""
+    model = support.build_model("blocks")
+    x, _ = support.global_batch("blocks", 0)
+    pmodel = autopar.compile(model, x.chunk(world)[rank], pipeline="auto")
+    optimizer = support.make_optimizer("adamw", pmodel.parameters())
+    for step in range(support.STEPS):
+        x, y = support.global_batch("blocks", step)
+        optimizer.zero_grad(set_to_none=True)
+        support.loss_fn("blocks", pmodel(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        optimizer.step()
+    state = pmodel.state_dict()
+    return {"stages": pmodel.plan.pipeline_stages, "notes": pmodel.plan.notes, "has_step": hasattr(pmodel, "step"),
+            "params": {n: state[n].clone() for n, _ in model.named_parameters()}}
+
+
+def _train(pmodel, model, model_name, dp):
     optimizer = support.make_optimizer("adamw", pmodel.parameters())
     slot = pmodel.data_parallel_rank
     losses = []
@@ -88,6 +124,8 @@ def _bad_inputs(rank, world):
 def _job(rank, world):
     results = {case: support.outcome(_train_case, rank, world, *case) for case in CASES[world]}
     if world == 2:
+        results["auto"] = support.outcome(_auto_case, rank, world)
+        results["auto_intra"] = support.outcome(_auto_intra_case, rank, world)
         results["trainer"] = support.outcome(_trainer_case, rank, world)
         results["bad"] = support.outcome(_bad_inputs, rank, world)
     return results
@@ -141,6 +179,24 @@ def test_pipeline_matches_one_process(jobs, item):
         model.load_state_dict(run["params"])
         expected = model(x.chunk(world // 2)[rank // 2])
         torch.testing.assert_close(run["output"], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def test_auto_pipeline_matches_one_process(jobs):
+    ref_losses, ref_params = _reference("blocks")
+    for rank, run in enumerate(_ok(_results(jobs, 2), "auto")):
+        what = f"rank {rank} pipeline='auto'"
+        assert run["plan"][0] == 2 and run["dp"] == (0, 1), f"{what}: {run['plan']} {run['dp']} {run['notes']}"
+        assert any(note.endswith("chose the pipelined plan") for note in run["notes"]), run["notes"]
+        support.assert_losses_close(run["losses"], ref_losses, what=what)
+        support.assert_params_close(run["params"], ref_params, what=what)
+
+
+def test_auto_keeps_the_faster_intra_op_plan(jobs):
+    _, ref_params = _reference("blocks")
+    for rank, run in enumerate(_ok(_results(jobs, 2), "auto_intra")):
+        assert run["stages"] == 1 and not run["has_step"], run
+        assert run["notes"][-1].endswith("chose the intra-op plan"), run["notes"]
+        support.assert_params_close(run["params"], ref_params, what=f"rank {rank} pipeline='auto', intra-op")
 
 
 def test_model_train_uses_step(jobs):

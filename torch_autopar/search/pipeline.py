@@ -1,37 +1,58 @@
-"""Pipeline plans: where to cut a model between its layers, what each stage costs, what the schedule wastes.
+"""Pipeline plans: how many stages, where to cut a model between its layers, how many micro-batches, which
+schedule and which layout inside each stage; what each costs and what the schedule wastes.
 
 NOTE [stages from module boundaries]
 Stages are cut at module boundaries: between the layers of one ``nn.ModuleList`` (``capture.modules``); the
 modules called before the first layer join stage 0, those after the last layer join the last stage. Why:
 ``torch.distributed.pipelining.PipelineStage`` runs one ``nn.Module`` per stage, and the user's own layer
 modules are exactly that (each runs its forward as written, eagerly). Splitting the captured aten graph into
-stages, with cuts inside a block and each stage priced by the intra-op search on its sub-mesh, is a later step;
-so are sharded stages: every stage here is whole on its rank and data-parallel over the ranks that hold it.
+stages, with cuts inside a block, is a later step.
 
-The partition, a small dynamic program (Alpa's inter-op formulation with one sub-mesh per stage):
-  variables   cuts 0 = c_0 < c_1 < ... < c_S = L between the L layers (every stage has at least one layer)
-  objective   minimise max_s cost(layers c_s .. c_{s+1} - 1): the slowest stage sets the pipeline's period;
-              step time ≈ (M + S - 1) × (slowest stage per micro-batch) for GPipe and 1F1B, so with S and M
-              fixed, balancing the slowest stage is the whole objective (``balanced_cuts``)
-  recurrence  best[s][j] = min_{i<j} max(best[s-1][i], C[j] - C[i]), C the prefix sums of layer costs
-              (ties broken by the next-largest stage, so the other stages are balanced too)
+The search, Alpa's inter-op formulation with one sub-mesh of world / p ranks per pipeline rank:
+  variables   p pipeline ranks (p divides the world, world / p divides the global batch), the schedule (v stages
+              per rank: 1, or 2 for interleaved 1F1B), cuts 0 = c_0 < ... < c_{pv} = L between the L layers,
+              M micro-batches (M divides a replica's batch; torch's schedules' own limits: 1F1B needs M >= p),
+              and the layout inside each stage over its world / p ranks ("data_parallel": whole stage, gradients
+              all-reduced; "fully_shard": parameters, gradients and Adam state sharded, gathered for the step)
+  objective   step = M · max_r t_r + (Σ_r t_r − max_r t_r) / v + max_r sync_r, where t_r is pipeline rank r's
+              time per micro-batch (its stages' forward + backward compute plus the activation sends and their
+              gradients to the next stage, point-to-point over the cost model's pipeline link) and sync_r its
+              stages' gradient synchronisation (and gathers) once per step; v = 1 gives Alpa's
+              Σ stage times + (M − 1) × slowest stage (``step_seconds``)
+  constraint  memory of every pipeline rank <= the budget: its stages' parameters, gradients and Adam state in
+              the stage layout plus the activations of the micro-batches in flight (GPipe: M; 1F1B and
+              interleaved: min(M, p − r)) (``price``)
+  cuts        for a stage count, the balanced partition of layer compute (``balanced_cuts``):
+              best[s][j] = min_{i<j} max(best[s-1][i], C[j] - C[i]), C the prefix sums of layer costs
+              (ties broken by the next-largest stage): with p, v, M fixed, Σ_r t_r hardly depends on the cuts,
+              so the slowest stage is what they decide
+The rest is enumeration (``search``): a few dozen (p, schedule, M, layout) points, each priced in microseconds.
+``choose`` then keeps the pipelined plan only when it estimates faster than the intra-op plan or when that one
+does not fit, and writes what was compared into the plan's notes.
 Layer cost: forward FLOPs × 3 (backward ≈ 2 × forward) from ``torch.utils.flop_counter``'s formulas on fake
-tensors, priced by the cost model's roofline. FLOPs rather than parameter counts: an embedding has many
-parameters and no FLOPs, attention has FLOPs growing with the sequence and no parameters, and a tied output
-head has FLOPs but parameters of its own only on paper; parameter counts would misplace all three.
+tensors, priced by the cost model's roofline per unit (a layer and its glue), plus the fixed launch cost of each
+aten op it runs, per micro-batch (what makes many small micro-batches expensive). FLOPs rather than parameter
+counts: an embedding has many parameters and no FLOPs, attention has FLOPs growing with the sequence and none.
+Activation memory counts every tensor a stage's forward creates (an upper bound of what backward keeps).
 Must never run a collective or change the model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
+import torch
+import torch.fx as fx
+
+from torch_autopar import _compat
 from torch_autopar.capture.modules import (POST, PRE, TopLevel, UnitCost, assign_units, measure_units,
                                            trace_top_level, unit_modules)
 from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import CostModel, HardwareProfile
 from torch_autopar.errors import AutoparError
 from torch_autopar.search.estimate import ADAM_STATE_PER_PARAM
+from torch_autopar.search.explain import _bytes
 from torch_autopar.search.plan import Plan, PlannedCollective, StageRow
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -39,17 +60,25 @@ VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 """Stages per pipeline rank: the interleaved schedule runs two stages (chunks) on each rank."""
 BACKWARD_FLOPS = 2
 """Backward FLOPs per forward FLOP (gradients for the activations and for the weights)."""
+STAGE_LAYOUTS = ("data_parallel", "fully_shard")
+"""Layouts of a stage over its data-parallel ranks; the runtime runs "data_parallel" stages (``RUNNABLE_LAYOUTS``)."""
+RUNNABLE_LAYOUTS = ("data_parallel",)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineOptions:
     """What ``pipeline=``, ``microbatches=`` and ``schedule=`` asked for, checked."""
 
-    ranks: int
-    """Pipeline ranks (the ``pipeline=`` value)."""
+    ranks: int | None
+    """Pipeline ranks (the ``pipeline=`` value); None for ``pipeline="auto"`` (searched)."""
     microbatches: int | None
-    """None: chosen from the local batch (``choose_microbatches``)."""
-    schedule: str
+    """None: chosen (``choose_microbatches`` for a given pipeline, searched under "auto")."""
+    schedule: str | None
+    """None only under "auto" (searched)."""
+
+    @property
+    def searched(self) -> bool:
+        return self.ranks is None
 
     @property
     def stages(self) -> int:
@@ -61,19 +90,21 @@ def check_options(pipeline, microbatches, schedule, world_size: int) -> Pipeline
     if pipeline is None or pipeline == 1:
         if microbatches is not None or schedule is not None:
             raise AutoparError(f"microbatches={microbatches!r} and schedule={schedule!r} apply to pipelined models; "
-                               "found pipeline=None. Pass pipeline=N (stages) as well, or drop them.")
+                               "found pipeline=None. Pass pipeline=N (stages) or 'auto' as well, or drop them.")
         return None
-    if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
-        raise AutoparError(f"pipeline={pipeline!r}: expected None or a positive number of pipeline stages.")
-    if world_size % pipeline:
+    if pipeline != "auto" and (not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1):
+        raise AutoparError(f"pipeline={pipeline!r}: expected None, 'auto' or a positive number of pipeline stages.")
+    if pipeline != "auto" and world_size % pipeline:
         raise AutoparError(f"pipeline={pipeline} must divide the {world_size} ranks (the mesh is data-parallel x "
                            f"pipeline = {world_size}/{pipeline}); use a pipeline size that divides the world size.")
     if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
         raise AutoparError(f"microbatches={microbatches!r}: expected None or a positive integer.")
-    schedule = schedule or "1f1b"
-    if schedule not in SCHEDULES:
-        raise AutoparError(f"schedule={schedule!r}: expected one of {SCHEDULES} or None (1f1b).")
-    return PipelineOptions(ranks=pipeline, microbatches=microbatches, schedule=schedule)
+    if schedule is not None and schedule not in SCHEDULES:
+        raise AutoparError(f"schedule={schedule!r}: expected one of {SCHEDULES} or None (1f1b; searched under "
+                           "pipeline='auto').")
+    if pipeline == "auto":
+        return PipelineOptions(ranks=None, microbatches=microbatches, schedule=schedule)
+    return PipelineOptions(ranks=pipeline, microbatches=microbatches, schedule=schedule or "1f1b")
 
 
 def choose_microbatches(options: PipelineOptions, local_batch: int) -> int:
@@ -90,6 +121,16 @@ def choose_microbatches(options: PipelineOptions, local_batch: int) -> int:
             return count
     raise AutoparError(f"pipeline={options.ranks} needs micro-batches of whole samples; a rank's batch of "
                        f"{local_batch} does not divide by {options.ranks}. Pass microbatches= dividing it.")
+
+
+def runs_with(schedule: str, microbatches: int, ranks: int) -> bool:
+    """torch's own limits: 1F1B needs at least as many micro-batches as stages; interleaved 1F1B runs
+    max(1, M // p) rounds of equal size."""
+    if schedule == "1f1b":
+        return microbatches >= ranks
+    if schedule == "interleaved_1f1b":
+        return microbatches % max(1, microbatches // ranks) == 0
+    return True
 
 
 def check_layers(num_layers: int, stages: int, schedule: str) -> None:
@@ -124,22 +165,107 @@ def balanced_cuts(costs: list[float], stages: int) -> list[int]:
     return cuts[::-1]
 
 
+def _interleaving(schedule: str, microbatches: int, ranks: int) -> int:
+    """v, the bubble's divisor: stages per rank when every rank has a micro-batch per chunk to switch to
+    (M >= p); with fewer, one micro-batch's path through all the stages is the critical one, as without chunks."""
+    return VIRTUAL_STAGES[schedule] if microbatches >= ranks else 1
+
+
 def bubble_fraction(ranks: int, microbatches: int, schedule: str) -> float:
     """Predicted idle share of a step: (p - 1) / (v·M + p - 1) with p pipeline ranks and v stages per rank
-    (v = 1 for GPipe and 1F1B; the interleaved schedule's v = 2 shrinks the bubble)."""
-    virtual = VIRTUAL_STAGES[schedule]
+    (v = 1 for GPipe and 1F1B; the interleaved schedule's v = 2 shrinks the bubble when M >= p)."""
+    virtual = _interleaving(schedule, microbatches, ranks)
     return (ranks - 1) / (virtual * microbatches + ranks - 1)
 
 
-def layer_costs(costs: dict, num_layers: int, cost_model: CostModel) -> list[float]:
-    """Seconds of forward + backward per layer; the modules before the first layer and after the last are
-    added to the first and last layer (they always share those stages)."""
-    def seconds(unit) -> float:
-        cost = costs.get(unit, UnitCost())
-        flops = cost.flops * (1 + BACKWARD_FLOPS)
-        return cost_model.compute_time(flops, cost.activation_bytes * (1 + BACKWARD_FLOPS), "float32")
+def step_seconds(per_rank: list[float], microbatches: int, schedule: str) -> float:
+    """Seconds of the schedule given each pipeline rank's time per micro-batch: M · slowest + (the others) / v."""
+    slowest = max(per_rank)
+    return microbatches * slowest + (sum(per_rank) - slowest) / _interleaving(schedule, microbatches, len(per_rank))
 
-    per_layer = [seconds(k) for k in range(num_layers)]
+
+# measuring ---------------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True, slots=True)
+class Measured:
+    """A model's top-level forward priced once on one batch (fake tensors); every candidate rescales it."""
+
+    top: TopLevel
+    unit: dict
+    costs: dict
+    batch: int
+    """Samples in the measured batch (dim 0)."""
+    crossing: list[int]
+    """crossing[c]: bytes a stage starting at layer c receives from the stages before it (0 at c = 0 and L)."""
+    ops: dict
+    """Unit → aten ops its forward runs (views excluded)."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.top.layers)
+
+
+class _Boundaries(fx.Interpreter):
+    """Bytes of each top-level node's result (the values that may cross a stage boundary) and the aten ops
+    each unit runs (every op pays the hardware's fixed launch cost, once per micro-batch)."""
+
+    def __init__(self, gm: fx.GraphModule, unit: dict):
+        super().__init__(gm)
+        self.unit, self.current = unit, None
+        self.nbytes: dict[fx.Node, int] = {}
+        self.ops: dict = {}
+
+    def run_node(self, node: fx.Node):
+        self.current = self.unit.get(node, POST)
+        result = super().run_node(node)
+        if node.op != "get_attr":  # a parameter read is never sent (each stage reads its own copy)
+            self.nbytes[node] = sum(t.numel() * t.element_size() for t in _compat.pytree().tree_leaves(result)
+                                    if isinstance(t, torch.Tensor))
+        return result
+
+    def count(self, op, args, kwargs, out) -> None:
+        if not getattr(op, "is_view", False):
+            self.ops[self.current] = self.ops.get(self.current, 0) + 1
+
+
+def _boundaries(top: TopLevel, unit: dict, args: tuple) -> tuple[list[int], dict]:
+    """(crossing bytes per cut, see ``Measured.crossing``; aten ops per unit) on fake tensors."""
+    found = _Boundaries(top.graph_module, unit)
+    with _compat.FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
+        with _compat.recording_ops(found.count):
+            found.run(*[fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    layers = len(top.layers)
+
+    def position(node: fx.Node) -> int:  # PRE, layer k, POST (and the output) in running order
+        return layers if node.op == "output" else {PRE: -1, POST: layers}.get(unit[node], unit[node])
+
+    crossing = [0] * (layers + 1)
+    for node, nbytes in found.nbytes.items():
+        if node.users:
+            last = max(position(user) for user in node.users)
+            for cut in range(max(position(node) + 1, 1), min(last, layers - 1) + 1):
+                crossing[cut] += nbytes
+    return crossing, found.ops
+
+
+def measure(model: torch.nn.Module, args: tuple, batch: int) -> Measured:
+    """Trace ``model``'s top-level forward and price its units and boundaries on ``args`` (``batch`` samples)."""
+    top = trace_top_level(model)
+    unit = assign_units(top)
+    crossing, ops = _boundaries(top, unit, args)
+    return Measured(top=top, unit=unit, costs=measure_units(top, unit, args), batch=batch, crossing=crossing, ops=ops)
+
+
+def layer_seconds(measured: Measured, cost_model: CostModel, scale: float) -> list[float]:
+    """Seconds of forward + backward per layer on ``scale`` × the measured batch (roofline of its FLOPs and
+    bytes plus the fixed cost of each op it launches); the modules before the first layer and after the last
+    are added to the first and last layer (they always share those stages)."""
+    def seconds(unit) -> float:
+        cost, work = measured.costs.get(unit, UnitCost()), scale * (1 + BACKWARD_FLOPS)
+        launches = measured.ops.get(unit, 0) * (1 + BACKWARD_FLOPS)  # backward ≈ twice the forward's ops too
+        return (cost_model.compute_time(cost.flops * work, cost.activation_bytes * work, "float32")
+                + (launches - 1) * cost_model.hardware.op_overhead_s)
+
+    per_layer = [seconds(k) for k in range(measured.num_layers)]
     per_layer[0] += seconds(PRE)
     per_layer[-1] += seconds(POST)
     return per_layer
@@ -157,33 +283,180 @@ def stage_of_units(cuts: list[int]):
     return stage_of
 
 
-def stage_rows(cuts: list[int], unit_names: dict, costs: dict, per_layer: list[float], *, ranks: int,
-               microbatches: int, schedule: str) -> list[StageRow]:
-    """Each stage's modules, parameters, compute and memory (activations in flight under ``schedule``)."""
-    stage_of = stage_of_units(cuts)
-    rows = []
+# pricing -----------------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True, slots=True)
+class Candidate:
+    """One point of the search, priced: what ``step_seconds`` and the memory constraint say of it."""
+
+    ranks: int
+    schedule: str
+    microbatches: int
+    layout: str
+    cuts: list[int]
+    global_batch: int
+    world_size: int
+    rows: list[StageRow] = field(default_factory=list)
+    collectives: list[PlannedCollective] = field(default_factory=list)
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    """The schedule's time without the sends (forward + backward compute and the bubble)."""
+    peak_memory: int = 0
+    memory_breakdown: dict = field(default_factory=dict)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // self.ranks
+
+    def describe(self) -> str:
+        return (f"pp={self.ranks} x dp={self.data_parallel} {self.schedule} M={self.microbatches} "
+                f"{self.layout} stages {self.step_s * 1e3:.3f} ms, {_bytes(self.peak_memory)}")
+
+
+def _send_seconds(cost_model: CostModel, nbytes: float) -> float:
+    """One point-to-point send between neighbouring pipeline ranks (mesh axis 1) over the cost model's link."""
+    if nbytes == 0:
+        return 0.0
+    link = cost_model.link(1)
+    return link.latency_s + nbytes / (link.bandwidth * cost_model.hardware.comm_efficiency)
+
+
+def _stage_memory(param_bytes: int, activations: float, layout: str, dp: int) -> dict[str, int]:
+    """A stage's bytes per rank: "fully_shard" holds a 1/dp shard of parameters, gradients and Adam state and the
+    gathered parameters for the whole step (as the sharded runtime does); "data_parallel" holds all of them."""
+    held = param_bytes // dp if layout == "fully_shard" else param_bytes
+    return {"parameters": held, "gathered_parameters": param_bytes - held, "gradients": held,
+            "optimizer": ADAM_STATE_PER_PARAM * held, "activations": int(activations)}
+
+
+def _stage_sync(param_bytes: int, layout: str, cost_model: CostModel, where: str) -> list[PlannedCollective]:
+    """A stage's collectives over its data-parallel ranks (mesh axis 0) once per step."""
+    if cost_model.mesh_shape[0] == 1 or param_bytes == 0:
+        return []
+    kinds = [("all_gather", "forward"), ("reduce_scatter", "grad_sync")] if layout == "fully_shard" else \
+        [("all_reduce", "grad_sync")]
+    return [PlannedCollective(kind=kind, axis="dp", nbytes=param_bytes, phase=phase, where=where,
+                              seconds=cost_model.collective_time(kind, 0, param_bytes)) for kind, phase in kinds]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Stage:
+    """What a stage holds whatever the schedule: its units, parameters and activations on the measured batch."""
+
+    units: list
+    params: dict[str, tuple[int, int]]
+    activation_bytes: int
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.params.values())
+
+
+def _stages(measured: Measured, cuts: list[int], names: dict) -> list[_Stage]:
+    stage_of, stages = stage_of_units(cuts), []
     for s in range(len(cuts) - 1):
-        units = [u for u in unit_names if stage_of(u) == s]
+        units = [u for u in names if stage_of(u) == s]
         params: dict[str, tuple[int, int]] = {}
-        for unit in units:
-            params.update(costs.get(unit, UnitCost()).params or {})
-        activations = sum(costs.get(u, UnitCost()).activation_bytes for u in units)
-        in_flight = microbatches if schedule == "gpipe" else min(microbatches, ranks - s % ranks)
-        param_bytes = sum(nbytes for _, nbytes in params.values())
-        memory = param_bytes * (2 + ADAM_STATE_PER_PARAM) + activations * in_flight // microbatches
-        rows.append(StageRow(index=s, layers=[n for u in units for n in unit_names[u]],
-                             num_params=sum(numel for numel, _ in params.values()),
-                             compute_s=sum(per_layer[cuts[s]:cuts[s + 1]]), memory_bytes=int(memory)))
-    return rows
+        for u in units:
+            params.update(measured.costs.get(u, UnitCost()).params or {})
+        stages.append(_Stage(units=units, params=params, activation_bytes=sum(
+            measured.costs.get(u, UnitCost()).activation_bytes for u in units)))
+    return stages
 
 
-def step_time(rows: list[StageRow], *, ranks: int, microbatches: int, schedule: str) -> float:
-    """Seconds per step of compute: (v·M + p - 1) time slots of the slowest stage's micro-batch."""
-    virtual = VIRTUAL_STAGES[schedule]
-    slowest = max(row.compute_s for row in rows) / microbatches
-    return (virtual * microbatches + ranks - 1) * slowest
+def _sends(nbytes: int, s: int, microbatches: int, cost_model: CostModel) -> list[PlannedCollective]:
+    """Stage s's activations to stage s + 1 and their gradients back, once per micro-batch each."""
+    if nbytes == 0:
+        return []
+    return [PlannedCollective(kind="send", axis="pp", nbytes=nbytes, phase=phase, where=f"stage{s}->stage{s + 1}",
+                              seconds=_send_seconds(cost_model, nbytes), count=microbatches)
+            for phase in ("forward", "backward")]
 
 
+def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, layout: str, cuts: list[int],
+          world_size: int, global_batch: int, hardware: HardwareProfile) -> Candidate:
+    """Step time and per-rank memory of one point (the objective and constraint of the module docstring)."""
+    dp = world_size // ranks
+    cost_model = CostModel(hardware, (dp, ranks))
+    scale = global_batch / dp / measured.batch  # a replica's batch over the measured one
+    per_layer = layer_seconds(measured, cost_model, scale / microbatches)
+    names = unit_modules(measured.top, measured.unit)
+    result = Candidate(ranks=ranks, schedule=schedule, microbatches=microbatches, layout=layout, cuts=cuts,
+                       global_batch=global_batch, world_size=world_size)
+    compute, sends, sync = [0.0] * ranks, [0.0] * ranks, [0.0] * ranks
+    memory: list[dict[str, int]] = [{} for _ in range(ranks)]
+    for s, stage in enumerate(_stages(measured, cuts, names)):
+        rank, stage_compute = s % ranks, sum(per_layer[cuts[s]:cuts[s + 1]])
+        in_flight = microbatches if schedule == "gpipe" else min(microbatches, ranks - rank)
+        stage_memory = _stage_memory(stage.param_bytes, stage.activation_bytes * scale * in_flight / microbatches,
+                                     layout, dp)
+        memory[rank] = {k: memory[rank].get(k, 0) + v for k, v in stage_memory.items()}
+        moves = _sends(int(measured.crossing[cuts[s + 1]] * scale / microbatches), s, microbatches, cost_model)
+        moves += _stage_sync(stage.param_bytes, layout, cost_model, f"stage{s}")
+        compute[rank] += stage_compute
+        sends[rank] += sum(c.seconds for c in moves if c.kind == "send")
+        sync[rank] += sum(c.seconds for c in moves if c.kind != "send")
+        result.collectives += moves
+        result.rows.append(StageRow(index=s, layers=[n for u in stage.units for n in names[u]],
+                                    num_params=sum(numel for numel, _ in stage.params.values()),
+                                    compute_s=stage_compute * microbatches, memory_bytes=sum(stage_memory.values())))
+    result.compute_s = step_seconds(compute, microbatches, schedule)
+    result.step_s = step_seconds([c + s for c, s in zip(compute, sends)], microbatches, schedule) + max(sync)
+    result.memory_breakdown = max(memory, key=lambda m: sum(m.values()))
+    result.peak_memory = sum(result.memory_breakdown.values())
+    return result
+
+
+# searching ---------------------------------------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(measured: Measured, options: PipelineOptions, *, world_size: int, global_batch: int,
+           hardware: HardwareProfile, layouts=STAGE_LAYOUTS) -> list[Candidate]:
+    """Every (pipeline ranks, schedule, micro-batches, stage layout) point ``options`` allows, priced."""
+    cuts_for: dict[int, list[int]] = {}
+    candidates = []
+    for ranks in _divisors(world_size)[1:]:
+        dp = world_size // ranks
+        if global_batch % dp:
+            continue
+        replica = global_batch // dp
+        for schedule in [options.schedule] if options.schedule else SCHEDULES:
+            stages = ranks * VIRTUAL_STAGES[schedule]
+            if stages > measured.num_layers:
+                continue
+            if stages not in cuts_for:
+                cuts_for[stages] = balanced_cuts(layer_seconds(measured, CostModel(hardware, (1,)), 1.0), stages)
+            counts = [options.microbatches] if options.microbatches else _divisors(replica)
+            for microbatches in counts:
+                if replica % microbatches or not runs_with(schedule, microbatches, ranks):
+                    continue
+                for layout in layouts if dp > 1 else layouts[:1]:
+                    candidates.append(price(measured, ranks=ranks, schedule=schedule, microbatches=microbatches,
+                                            layout=layout, cuts=cuts_for[stages], world_size=world_size,
+                                            global_batch=global_batch, hardware=hardware))
+    return candidates
+
+
+def best_candidate(candidates: list[Candidate], budget: int) -> Candidate | None:
+    """The fastest candidate within ``budget`` (ties: fewer pipeline ranks, then fewer micro-batches)."""
+    fitting = [c for c in candidates if c.peak_memory <= budget]
+    return min(fitting, key=lambda c: (c.step_s, c.ranks, c.microbatches), default=None)
+
+
+def _summary(candidates: list[Candidate], budget: int) -> str:
+    """The best candidate per pipeline size (within the budget where one fits), for the plan's notes."""
+    by_ranks: dict[int, list[Candidate]] = {}
+    for c in candidates:
+        by_ranks.setdefault(c.ranks, []).append(c)
+    parts = []
+    for ranks, group in sorted(by_ranks.items()):
+        best = best_candidate(group, budget) or min(group, key=lambda c: c.peak_memory)
+        parts.append(best.describe() + ("" if best.peak_memory <= budget else " (over budget)"))
+    return "; ".join(parts) or "none (no pipeline size divides the ranks and the batch with a layer per stage)"
+
+
+# plans -------------------------------------------------------------------------------------------------------------
 @dataclass(kw_only=True, slots=True)
 class PipelineLayout:
     """A pipeline plan and what the runtime needs to build its stages from the traced forward."""
@@ -196,25 +469,79 @@ class PipelineLayout:
 
 def pipeline_plan(model, args: tuple, options: PipelineOptions, *, world_size: int, hardware: HardwareProfile,
                   batch_per_rank: int, dp_share: int = 1, given: Plan | None = None) -> PipelineLayout:
-    """Trace, price and cut ``model`` into ``options.stages`` stages for ``world_size`` ranks.
+    """Price and cut ``model`` into ``options.stages`` stages (data-parallel inside) for ``world_size`` ranks.
 
     args: one batch, ``dp_share`` times what each data-parallel rank passes (1 in compile: this rank's slice;
     the data-parallel size in autopar.plan: the global batch). given: a pipelined Plan to follow (its stages)."""
-    top = trace_top_level(model)
-    check_layers(len(top.layers), options.stages, options.schedule)
+    measured = measure(model, args, batch_per_rank * dp_share)
+    check_layers(measured.num_layers, options.stages, options.schedule)
     microbatches = choose_microbatches(options, batch_per_rank)
-    unit = assign_units(top)
-    costs = measure_units(top, unit, args)
-    for cost in costs.values():
-        cost.flops, cost.activation_bytes = cost.flops // dp_share, cost.activation_bytes // dp_share
     dp = world_size // options.ranks
-    cost_model = CostModel(hardware, (dp, options.ranks))
-    per_layer = layer_costs(costs, len(top.layers), cost_model)
-    cuts = cuts_from_plan(given, top) if given is not None else balanced_cuts(per_layer, options.stages)
-    rows = stage_rows(cuts, unit_modules(top, unit), costs, per_layer, ranks=options.ranks,
-                      microbatches=microbatches, schedule=options.schedule)
-    plan = _plan(model, rows, options, microbatches, dp, cost_model, hardware, batch_per_rank * dp)
-    return PipelineLayout(plan=plan, top=top, unit=unit, cuts=cuts)
+    cuts = cuts_from_plan(given, measured.top) if given is not None else balanced_cuts(
+        layer_seconds(measured, CostModel(hardware, (1,)), 1.0), options.stages)
+    candidate = price(measured, ranks=options.ranks, schedule=options.schedule, microbatches=microbatches,
+                      layout="data_parallel", cuts=cuts, world_size=world_size, global_batch=batch_per_rank * dp,
+                      hardware=hardware)
+    return PipelineLayout(plan=_plan(model, candidate, hardware), top=measured.top, unit=measured.unit, cuts=cuts)
+
+
+@dataclass(kw_only=True, slots=True)
+class SearchResult:
+    """What ``searched_plan`` found: the fastest pipelined plan within the budget (None if none fits)."""
+
+    layout: PipelineLayout | None
+    summary: str
+    """The candidates compared, for the chosen plan's notes."""
+    stats: dict
+    """candidates, fitting, seconds (the search's own time), best_step_s / best_peak_memory (None if none fits)."""
+
+
+def searched_plan(model, args: tuple, options: PipelineOptions, *, world_size: int, hardware: HardwareProfile,
+                  batch: int, global_batch: int, budget: int, layouts=STAGE_LAYOUTS) -> SearchResult:
+    """Search the pipelined plans of ``model`` for ``world_size`` ranks and ``global_batch`` samples.
+
+    args: one batch of ``batch`` samples (the global batch in autopar.plan, this rank's slice in compile)."""
+    started = time.perf_counter()
+    measured = measure(model, args, batch)
+    candidates = search(measured, options, world_size=world_size, global_batch=global_batch, hardware=hardware,
+                        layouts=layouts)
+    best = best_candidate(candidates, budget)
+    summary = (f"{len(candidates)} pipelined candidates (pipeline size x schedule x micro-batches x stage layout "
+               f"{'/'.join(layouts)}), best per pipeline size: {_summary(candidates, budget)}")
+    stats = {"candidates": len(candidates), "fitting": sum(c.peak_memory <= budget for c in candidates),
+             "seconds": time.perf_counter() - started, "best_step_s": best.step_s if best else None,
+             "best_peak_memory": best.peak_memory if best else None}
+    if best is None:
+        return SearchResult(layout=None, summary=summary, stats=stats)
+    layout = PipelineLayout(plan=_plan(model, best, hardware), top=measured.top, unit=measured.unit, cuts=best.cuts)
+    return SearchResult(layout=layout, summary=summary, stats=stats)
+
+
+def choose(intra: Plan | None, intra_error: str | None, found: SearchResult,
+           budget: int) -> tuple[Plan, PipelineLayout | None]:
+    """Keep pipelining only when it estimates faster than the intra-op plan or that one does not fit; the
+    chosen plan's notes say what was compared, its ``search_stats["pipeline_auto"]`` both estimates.
+    (plan, the pipeline layout when pipelined)."""
+    pipelined = found.layout
+    if intra is None and pipelined is None:
+        raise AutoparError(f"no plan fits the memory budget of {budget:,} bytes per device, with or without "
+                           f"pipelining. Intra-op: {intra_error} Pipelined: {found.summary}. Raise memory_budget, "
+                           "use more devices, or a smaller batch.")
+    intra_text = (f"intra-op {intra.strategy} {intra.estimated_step_time * 1e3:.3f} ms, "
+                  f"{_bytes(intra.peak_memory)}" + (f" ({intra.search_stats['candidate']})"
+                                                    if intra.search_stats.get("candidate") else "")
+                  if intra is not None else f"intra-op: nothing fits ({intra_error})")
+    keep = pipelined is not None and (intra is None or pipelined.plan.estimated_step_time < intra.estimated_step_time)
+    chosen = pipelined.plan if keep else intra
+    chosen.notes.append(f"pipeline='auto' compared {intra_text} with {found.summary}; chose "
+                        + ("the pipelined plan" if keep else "the intra-op plan"))
+    if keep and intra is not None:
+        chosen.notes += [f"intra-op: {note}" for note in intra.notes if note.startswith("auto compared")]
+    chosen.search_stats["pipeline_auto"] = found.stats | {
+        "chosen": "pipelined" if keep else "intra-op",
+        "intra_op_step_s": intra.estimated_step_time if intra is not None else None,
+        "intra_op_peak_memory": intra.peak_memory if intra is not None else None}
+    return chosen, pipelined if keep else None
 
 
 def cuts_from_plan(plan: Plan, top: TopLevel) -> list[int]:
@@ -229,28 +556,26 @@ def cuts_from_plan(plan: Plan, top: TopLevel) -> list[int]:
     return cuts + [len(top.layers)]
 
 
-def _grad_sync(rows: list[StageRow], cost_model: CostModel, dp: int) -> list[PlannedCollective]:
-    if dp == 1:
-        return []
-    return [PlannedCollective(kind="all_reduce", axis="dp", nbytes=row.num_params * 4, phase="grad_sync",
-                              where=f"stage{row.index}", seconds=cost_model.collective_time("all_reduce", 0,
-                                                                                            row.num_params * 4))
-            for row in rows]
-
-
-def _plan(model, rows, options, microbatches, dp, cost_model, hardware, global_batch) -> Plan:
+def _plan(model, candidate: Candidate, hardware: HardwareProfile) -> Plan:
     params = {name: TensorInfo.of(p) for name, p in model.named_parameters()}
-    collectives = _grad_sync(rows, cost_model, dp)
-    compute = step_time(rows, ranks=options.ranks, microbatches=microbatches, schedule=options.schedule)
-    exposed = max((c.seconds for c in collectives), default=0.0)
+    dp, ranks = candidate.data_parallel, candidate.ranks
+
+    def placement(info: TensorInfo) -> str:
+        sharded = candidate.layout == "fully_shard" and dp > 1 and info.shape and info.shape[0] >= dp
+        return "S(0)" if sharded else "R"
+
+    exposed = candidate.step_s - candidate.compute_s
     return Plan(
-        strategy="pipeline" if dp == 1 else "pipeline+data_parallel", mesh_shape=(dp, options.ranks),
+        strategy="pipeline" if dp == 1 else f"pipeline+{candidate.layout}", mesh_shape=(dp, ranks),
         axis_names=("dp", "pp"), hardware=hardware.name, fingerprint=params_fingerprint(params),
-        global_batch=global_batch, param_placements={name: ("R", "R") for name in params},
-        input_placements={0: ("S(0)", "R")}, grad_buckets=[], collectives=collectives, layers=[],
-        replicated_ops={}, compute_time=compute, exposed_comm_time=exposed, estimated_step_time=compute + exposed,
-        peak_memory=max(row.memory_bytes for row in rows), pipeline_stages=len(rows), microbatches=microbatches,
-        schedule=options.schedule, stages=rows,
-        bubble_fraction=bubble_fraction(options.ranks, microbatches, options.schedule),
-        notes=["stages are whole on their ranks (data-parallel over the ranks that hold them); stage times are "
-               "forward + backward FLOPs priced by the roofline; sends between stages are not priced"])
+        global_batch=candidate.global_batch,
+        param_placements={name: (placement(info), "R") for name, info in params.items()},
+        input_placements={0: ("S(0)", "R")}, grad_buckets=[], collectives=candidate.collectives, layers=[],
+        replicated_ops={}, compute_time=candidate.compute_s, exposed_comm_time=exposed,
+        estimated_step_time=candidate.step_s, peak_memory=candidate.peak_memory,
+        memory_breakdown=candidate.memory_breakdown, pipeline_stages=len(candidate.rows),
+        microbatches=candidate.microbatches, schedule=candidate.schedule, stages=candidate.rows,
+        bubble_fraction=bubble_fraction(ranks, candidate.microbatches, candidate.schedule),
+        notes=[f"stages are {candidate.layout.replace('_', '-')} over the {dp} ranks that hold them; stage times are "
+               "forward + backward FLOPs priced by the roofline, plus the activation sends between stages and "
+               "their gradients (point-to-point over the pipeline link)"])
