@@ -21,10 +21,11 @@ def _seconds(s: float) -> str:
 def _layer_table(plan) -> list[str]:
     width = max([len(row.name) for row in plan.layers] + [5])
     lines = [f"{'layer':<{width}}  {'params':>12}  {'placement':<14}  {'compute':>11}  {'comm':>11}  "
-             f"{'grad sync':>11}  {'memory':>11}"]
+             f"{'grad sync':>11}  {'memory':>11}  activations (op outputs per layout)"]
     for row in plan.layers:
         lines.append(f"{row.name:<{width}}  {row.num_params:>12,}  {row.placements:<14}  {_seconds(row.compute_s):>11}  "
-                     f"{_seconds(row.comm_s):>11}  {_bytes(row.grad_sync_bytes):>11}  {_bytes(row.memory_bytes):>11}")
+                     f"{_seconds(row.comm_s):>11}  {_bytes(row.grad_sync_bytes):>11}  {_bytes(row.memory_bytes):>11}  "
+                     f"{row.activations}")
     return lines
 
 
@@ -76,7 +77,7 @@ def explain(plan) -> str:
     return "\n".join(lines)
 
 
-_HTML_COLUMNS = ("layer", "params", "placement", "compute", "comm", "grad sync", "memory")
+_HTML_COLUMNS = ("layer", "params", "placement", "compute", "comm", "grad sync", "memory", "activations")
 
 
 def _html_row(cells, tag: str = "td") -> str:
@@ -88,7 +89,7 @@ def explain_html(plan) -> str:
     lines = explain(plan).splitlines()
     rows = [_html_row(_HTML_COLUMNS, "th")]
     rows += [_html_row((row.name, f"{row.num_params:,}", row.placements, _seconds(row.compute_s),
-                        _seconds(row.comm_s), _bytes(row.grad_sync_bytes), _bytes(row.memory_bytes)))
+                        _seconds(row.comm_s), _bytes(row.grad_sync_bytes), _bytes(row.memory_bytes), row.activations))
              for row in plan.layers]
     rest = lines[len(plan.layers) + 2:]
     return (f"<div class=\"torch-autopar-plan\"><p><b>{html.escape(lines[0])}</b></p>"

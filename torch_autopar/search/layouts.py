@@ -1,4 +1,5 @@
-"""Every node's layout, from a placement of the captured program (``Sharding``) to the plan (``NodeLayout``).
+"""Every node's layout, from a placement of the captured program (``Sharding``) to the plan (``NodeLayout``),
+and the moves graph mode's program adds at its boundary.
 
 A node's output layout is its spec's placements; each input's layout is the target of the redistribution the
 placement records on that edge, else the producer's own layout (nothing moves). Must never choose a layout.
@@ -9,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from torch_autopar.capture import CapturedProgram
+from torch_autopar.capture.program import tensor_nbytes
 from torch_autopar.search.plan import NodeLayout
-from torch_autopar.strategies import Sharding, format_placements
+from torch_autopar.strategies import Redistribution, Sharding, boundary, format_placements
 
 
 def _placements(spec):
@@ -36,3 +38,33 @@ def node_layouts(program: CapturedProgram, sharding: Sharding) -> dict[str, Node
                        for position, producer in enumerate(node.all_input_nodes))
         layouts[node.name] = NodeLayout(output=_output(spec), inputs=inputs)
     return layouts
+
+
+def _move(node, source, target, backward: bool) -> Redistribution | None:
+    if tuple(source) == tuple(target):
+        return None
+    return Redistribution(node=node.name, arg_index=-1, source=tuple(source), target=tuple(target),
+                          global_nbytes=tensor_nbytes(node.meta["val"]), backward=backward)
+
+
+def with_program_boundary(program: CapturedProgram, sharding: Sharding, ndim: int, global_batch: int | None) -> Sharding:
+    """``sharding`` plus the moves graph mode's per-rank program makes at its boundary (``strategies.boundary``):
+    each output from its layout to the one it leaves in, its gradient from that layout to the tangent's, new
+    buffer values (running statistics) replicated. Replaces the search's direct output → tangent edge."""
+    tangents = {tangent.name for tangent in program.tangent_nodes}
+    moves = [r for r in sharding.redistributions if r.node not in tangents]
+    for index, output in program.output_nodes.items():
+        spec = sharding.specs.get(output)
+        if isinstance(output.meta.get("val"), torch.Tensor) and hasattr(spec, "placements"):
+            moves.append(_move(output, spec.placements, boundary.leaving(output.meta["val"], ndim, global_batch), False))
+    for tangent, index in program.tangent_nodes.items():
+        output, spec = program.output_nodes.get(index), sharding.specs.get(tangent)
+        if output is not None and hasattr(spec, "placements"):
+            moves.append(_move(tangent, boundary.leaving(output.meta["val"], ndim, global_batch), spec.placements,
+                               True))
+    for update in program.buffer_updates.values():
+        spec = sharding.specs.get(update)
+        if hasattr(spec, "placements"):
+            moves.append(_move(update, spec.placements, boundary.replicated(ndim), False))
+    return Sharding(specs=sharding.specs, redistributions=[m for m in moves if m is not None],
+                    replicated_ops=sharding.replicated_ops)

@@ -45,6 +45,8 @@ class LayerRow:
     """Forward + backward compute of the nodes attributed to this module (those using its parameters first)."""
     comm_s: float = 0.0
     """Collectives of those nodes plus this module's share of gradient synchronisation."""
+    activations: str = ""
+    """Layouts of those nodes' outputs and how many lie in each ("S(0) x12, P(sum) x2, R x3")."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

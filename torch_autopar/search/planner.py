@@ -26,7 +26,7 @@ from torch_autopar.cost import CostModel, HardwareProfile
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
-from torch_autopar.search.layouts import node_layouts
+from torch_autopar.search.layouts import node_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
 from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective
 from torch_autopar.search.problem import build_problem
@@ -101,8 +101,21 @@ def _per_row_time(program: CapturedProgram, estimate, buckets, infos, fold) -> t
     return compute, comm
 
 
+def _activation_layouts(program: CapturedProgram, sharding) -> dict[str, str]:
+    """Per captured module row, how many of its ops' outputs lie in each layout ("S(0) x12, P(sum) x2")."""
+    counts: dict[str, dict[str, int]] = {}
+    for node, row in _node_rows(program).items():
+        spec = sharding.specs.get(node)
+        if node.op == "call_function" and hasattr(spec, "placements"):
+            layout = ",".join(format_placements(spec.placements))
+            counts.setdefault(row, {})[layout] = counts.setdefault(row, {}).get(layout, 0) + 1
+    return {row: ", ".join(f"{layout} x{n}" for layout, n in sorted(c.items(), key=lambda item: -item[1]))
+            for row, c in counts.items()}
+
+
 def _layer_rows(program: CapturedProgram, infos: dict, placements: dict, buckets, cost: CostModel, estimate,
-                fold) -> list[LayerRow]:
+                fold, sharding) -> list[LayerRow]:
+    activations = _activation_layouts(program, sharding)
     synced = {c.where for c in estimate.collectives if c.phase == "grad_sync"}
     in_synced_bucket = {name for index, bucket in enumerate(buckets) if f"bucket{index}" in synced for name in bucket}
     compute, comm = _per_row_time(program, estimate, buckets, infos, fold)
@@ -111,14 +124,16 @@ def _layer_rows(program: CapturedProgram, infos: dict, placements: dict, buckets
         layer = _owner(name)
         captured = _owner(fold.captured_name(name))
         row = rows.setdefault(layer, {"numel": 0, "placements": set(), "sync": 0, "memory": 0,
-                                      "compute": compute.get(captured, 0.0), "comm": comm.get(captured, 0.0)})
+                                      "compute": compute.get(captured, 0.0), "comm": comm.get(captured, 0.0),
+                                      "activations": activations.get(captured, "")})
         local = info.nbytes // cost.shard_factor(placements[name])
         row["numel"] += info.numel
         row["placements"].add(",".join(format_placements(placements[name])))
         row["sync"] += info.nbytes if name in in_synced_bucket else 0
         row["memory"] += local * (2 + est.ADAM_STATE_PER_PARAM)
     return [LayerRow(name=layer, num_params=r["numel"], placements="/".join(sorted(r["placements"])),
-                     grad_sync_bytes=r["sync"], memory_bytes=r["memory"], compute_s=r["compute"], comm_s=r["comm"])
+                     grad_sync_bytes=r["sync"], memory_bytes=r["memory"], compute_s=r["compute"], comm_s=r["comm"],
+                     activations=r["activations"])
             for layer, r in rows.items()]
 
 
@@ -274,8 +289,15 @@ class Planner:
         return {real: value for name, value in captured.items() for real in self.folding.real_names(name)}
 
     def _plan(self, strategy: str, sharding, captured_placements: dict, bucket_cap_bytes: int | None = None,
-              local_compute: bool = False) -> Plan:
+              local_compute: bool = False, as_searched: bool = True) -> Plan:
+        """The plan of ``sharding``. In graph mode a sharded placement the search chose (``as_searched``) is what
+        the per-rank program runs: with the program's boundary moves, each gradient reduced on its own and the
+        batch-size check."""
         program, fold = self.program, self.folding
+        graph_program = as_searched and self.mode == "graph" and not local_compute and self.mesh.size() > 1
+        if graph_program:
+            sharding = with_program_boundary(program, sharding, self.mesh.ndim, self.global_batch)
+            bucket_cap_bytes = 0
         ready = fold.real_order(program.grad_ready_order())
         infos = self._real_params(program.params)
         placements = self._real_params(captured_placements)
@@ -295,6 +317,8 @@ class Planner:
                           lambda name: program.grad_nodes.get(fold.captured_name(name)),
                           {n: _in_dtype(info, self.reduce_dtype) for n, info in infos.items()}, placements,
                           self.axis_names)
+        if graph_program:
+            estimate.collectives.append(self._batch_check())
         est.add_exposed_comm(estimate)
         est.add_memory(estimate, program, sharding, self.cost)
         inputs = {i: format_placements(sharding.specs[n].placements) for i, n in program.input_nodes.items()
@@ -304,7 +328,7 @@ class Planner:
             hardware=self.cost.hardware.name, fingerprint=params_fingerprint(infos), global_batch=self.global_batch,
             param_placements={k: format_placements(v) for k, v in placements.items()},
             input_placements=inputs, grad_buckets=buckets, collectives=estimate.collectives,
-            layers=_layer_rows(program, infos, placements, buckets, self.cost, estimate, fold),
+            layers=_layer_rows(program, infos, placements, buckets, self.cost, estimate, fold, sharding),
             replicated_ops=dict(sharding.replicated_ops), compute_time=estimate.compute,
             exposed_comm_time=estimate.exposed_comm, estimated_step_time=estimate.step_time,
             peak_memory=estimate.peak_memory, memory_breakdown=estimate.memory,
@@ -318,8 +342,9 @@ class Planner:
         every other node as DTensor's rules place it at run time (the propagation), plus the layout changes of
         the runtime itself: the batch arrives split over all ranks, batch outputs leave the same way (their
         gradients come back so), other outputs leave replicated, and each gradient is moved into its parameter's
-        layout on its own. Data-parallel plans run as planned (bucketed all-reduces) and are returned as is."""
-        if plan.is_data_parallel() or self.mesh.size() == 1:
+        layout on its own. Data-parallel plans run as planned (bucketed all-reduces) and are returned as is, and so
+        is, in graph mode, a plan with every node's layout: the per-rank program runs exactly those."""
+        if plan.is_data_parallel() or self.mesh.size() == 1 or self.mode == "graph" and self._runs_as_laid_out(plan):
             return plan
         arrival, replicate = tuple(Shard(0) for _ in range(self.mesh.ndim)), tuple(Replicate() for _ in range(self.mesh.ndim))
         program = self.program
@@ -350,18 +375,31 @@ class Planner:
             spec = sharding.specs.get(update)
             if spec is not None and hasattr(spec, "placements") and name in program.buffer_nodes:
                 self._note_move(sharding, update, spec.placements, replicate, False)
-        result = self._plan(plan.strategy, sharding, params, bucket_cap_bytes=0)
+        result = self._plan(plan.strategy, sharding, params, bucket_cap_bytes=0, as_searched=False)
         self._storage_memory(result, params, computed)
         self._dispatch_overhead(result)
-        result.collectives.append(PlannedCollective(
-            kind="all_reduce", axis=ALL_AXES_SEPARATOR.join(self.axis_names), nbytes=BATCH_CHECK_BYTES,
-            phase="forward", where="batch size check", seconds=self.cost.collective_time("all_reduce", 0, 16)))
+        result.collectives.append(self._batch_check())
         result.search_stats = {**plan.search_stats, "executed_as": "DTensor propagation of the plan's placements",
                                "planned_step_time": plan.estimated_step_time}
         result.notes = plan.notes + [
             f"executed as DTensor places each op: estimated {result.estimated_step_time * 1e3:.3f} ms per step "
             f"(the search's own layout: {plan.estimated_step_time * 1e3:.3f} ms)"]
         return result
+
+    def _runs_as_laid_out(self, plan: Plan) -> bool:
+        """Whether ``plan``'s node layouts are this program's and agree with its parameter placements (a plan
+        edited by hand, or made on a folded capture, is executed as DTensor places its ops instead)."""
+        layouts = plan.node_layouts
+        nodes = [node for node in self.program.graph.graph.nodes if node.op == "call_function"]
+        if not layouts or any(node.name not in layouts for node in nodes):
+            return False
+        return all(layouts.get(node.name) is not None and layouts[node.name].output == tuple(plan.param_placements[name])
+                   for name, node in self.program.param_nodes.items())
+
+    def _batch_check(self) -> PlannedCollective:
+        return PlannedCollective(
+            kind="all_reduce", axis=ALL_AXES_SEPARATOR.join(self.axis_names), nbytes=BATCH_CHECK_BYTES,
+            phase="forward", where="batch size check", seconds=self.cost.collective_time("all_reduce", 0, 16))
 
     def _dispatch_overhead(self, plan: Plan) -> None:
         """Eager sharded execution: every op of forward and backward goes through DTensor's dispatch."""
