@@ -91,6 +91,22 @@ def replace_joint_graph(joint, graph_module: torch.fx.GraphModule) -> None:
             meta.memory_format = MemoryFormatMeta.from_tensor(tangent)
 
 
+def inductor_compile(graph_module: torch.fx.GraphModule, example_inputs, *, backward: bool) -> Callable:
+    """Inductor's code for one aten graph (forward or backward of an AOTAutograd partition), called boxed
+    (one list of inputs), as ``torch.compile``'s default backend compiles each graph."""
+    import torch.fx.traceback as fx_traceback
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = next((t.fake_mode for t in example_inputs if isinstance(t, FakeTensor)), None)
+    with fx_traceback.preserve_node_meta(), (fake_mode or contextlib.nullcontext()):
+        # Inductor lowers its decomposed op set (what torch.compile's tracing would have produced)
+        decomposed = make_fx(torch.fx.Interpreter(graph_module).run, decomposition_table=select_decomp_table())(
+            *example_inputs)
+    return compile_fx_inner(decomposed, example_inputs, is_backward=backward)
+
+
 def compile_joint(joint, fw_compiler: Callable, bw_compiler: Callable) -> Callable:
     """Partition ``joint``'s graph into forward and backward, compile each, and return a differentiable callable
     taking (parameters, buffers, user input leaves) as flat positional tensors and returning flat outputs."""

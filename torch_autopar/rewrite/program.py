@@ -287,4 +287,6 @@ class ShardedProgram:
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
         params = [module.get_parameter(name).to_local() for name in self._params]
         buffers = [module.get_buffer(name).to_local() for name in self._buffers]
+        contiguous = lambda leaf: leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf  # noqa: E731
+        args, kwargs = pytree.tree_map(contiguous, (args, kwargs))  # as traced (compiled code assumes the strides)
         return self._compiled(*params, *buffers, *args, **kwargs)

@@ -3,13 +3,14 @@
 Registered under the name "autopar", so ``torch.compile(model, backend="autopar")`` works on any module (one
 process, nothing inserted). A parallel module in graph mode uses ``data_parallel_backend``, which also runs the
 rewrite stage's gradient-sync pass on each backward graph (with graph breaks, each compiled piece syncs the
-gradients it produces; the Python between pieces runs as torch.compile runs it). Graphs run through the FX
-interpreter's generated Python (no kernel fusion). Sharded plans compile the whole forward as one graph: a
-break there is an error, never a silent fall back to eager.
+gradients it produces; the Python between pieces runs as torch.compile runs it). Sharded plans run their
+per-rank program (``rewrite.program``) through ``sharded_compilers``. Each aten graph runs as the FX graph's
+generated Python or as Inductor's code (``graph_compiler``).
 """
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -17,14 +18,48 @@ import torch.distributed as dist
 
 from torch_autopar import _compat
 from torch_autopar.capture.program import tensor_nbytes
+from torch_autopar.errors import AutoparError
 from torch_autopar.launch.faults import collective_failure
 from torch_autopar.rewrite import GradSyncPass
 
 BACKEND_NAME = "autopar"
 
 
-def _run_graph(gm: torch.fx.GraphModule, example_inputs):
+GRAPH_COMPILERS = ("python", "inductor")
+"""How each aten graph runs: "python" (the FX graph's generated Python, op by op) or "inductor" (Inductor's
+fused kernels: C++/OpenMP on CPU, Triton on CUDA). ``AUTOPAR_GRAPH_COMPILER`` selects; the default is
+"inductor" on CUDA and "python" on CPU (see ``default_graph_compiler``)."""
+
+
+def default_graph_compiler() -> str:
+    """Inductor on CUDA. On CPU the FX graph's Python: measured side by side on 2 gloo ranks (fully_shard, graph
+    mode, 16 samples, median of 10 steps), Inductor's C++ was 1.27x slower on a 4 x 1024-wide MLP (41.6 vs
+    32.8 ms per step) and 0.92x on the 2-layer GPT (251 vs 274 ms), and its first step took 5-6 s longer
+    (compiling every graph on every rank): matmul-bound CPU steps run the same BLAS either way."""
+    return "inductor" if torch.cuda.is_available() else "python"
+
+
+def graph_compiler() -> str:
+    name = os.environ.get("AUTOPAR_GRAPH_COMPILER") or default_graph_compiler()
+    if name not in GRAPH_COMPILERS:
+        raise AutoparError(f"AUTOPAR_GRAPH_COMPILER={name!r}: expected one of {GRAPH_COMPILERS}; unset it for the "
+                           f"default ({default_graph_compiler()!r} on this machine).")
+    return name
+
+
+def generate_code(gm: torch.fx.GraphModule, example_inputs, *, backward: bool):
+    """The boxed callable that runs ``gm`` with the selected graph compiler."""
+    if graph_compiler() == "inductor":
+        return _compat.inductor_compile(gm, example_inputs, backward=backward)
     return _compat.make_boxed_func(gm.forward)
+
+
+def _run_forward(gm: torch.fx.GraphModule, example_inputs):
+    return generate_code(gm, example_inputs, backward=False)
+
+
+def _run_backward(gm: torch.fx.GraphModule, example_inputs):
+    return generate_code(gm, example_inputs, backward=True)
 
 
 def guarded(boxed, stats: dict, phase: str):
@@ -47,7 +82,7 @@ def guarded(boxed, stats: dict, phase: str):
 
 def autopar_backend(gm: torch.fx.GraphModule, example_inputs):
     """Backend for one process: aten-level forward and backward graphs, run as generated Python."""
-    return _compat.aot_autograd_backend(_run_graph, _run_graph)(gm, example_inputs)
+    return _compat.aot_autograd_backend(_run_forward, _run_backward)(gm, example_inputs)
 
 
 def register() -> None:
@@ -73,10 +108,10 @@ def data_parallel_backend(named_params: dict[str, torch.nn.Parameter], buckets: 
             result = grad_pass(bw_gm)
             stats["all_reduces_per_backward"] = stats.get("all_reduces_per_backward", 0) + result.all_reduces
             stats["synced_bytes_per_backward"] = stats.get("synced_bytes_per_backward", 0) + result.synced_bytes
-            return guarded(_compat.make_boxed_func(result.graph_module.forward), stats,
+            return guarded(generate_code(result.graph_module, bw_inputs, backward=True), stats,
                            "backward: gradient all-reduce")
 
-        return _compat.aot_autograd_backend(_run_graph, bw_compiler)(gm, example_inputs)
+        return _compat.aot_autograd_backend(_run_forward, bw_compiler)(gm, example_inputs)
 
     return backend
 
@@ -104,7 +139,7 @@ def sharded_compilers(stats: dict):
     def compiler(phase):
         def compile_graph(gm: torch.fx.GraphModule, example_inputs):
             recorded[phase] = graph_collectives(gm)
-            return guarded(_compat.make_boxed_func(gm.forward), stats, phase)
+            return guarded(generate_code(gm, example_inputs, backward=phase == "backward"), stats, phase)
         return compile_graph
 
     return compiler("forward"), compiler("backward")
