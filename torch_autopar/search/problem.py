@@ -89,16 +89,16 @@ class ShardingProblem:
 
 
 class ReshardTable:
-    """Resharding time between every pair of placements seen, as ``latency + per_byte * nbytes`` tables.
+    """Resharding time between pairs of placements, as ``latency + per_byte * nbytes``, each pair priced on first
+    use (a 3-D mesh sees thousands of layouts; an edge needs only its producer's and consumer's).
 
-    Placements are interned to small integers so an edge's whole cost matrix is two numpy gathers."""
+    Placements are interned to small integers so an edge's cost matrix is a grid of cached pairs."""
 
     def __init__(self, cost: CostModel):
         self.cost = cost
         self.ids: dict[tuple, int] = {}
         self.placements: list = []
-        self._latency = np.zeros((0, 0))
-        self._per_byte = np.zeros((0, 0))
+        self.pairs: dict[tuple[int, int], tuple[float, float]] = {}
 
     def index(self, placements) -> int:
         key = tuple(placements) if placements is not None else None
@@ -107,37 +107,18 @@ class ReshardTable:
             self.placements.append(key)
         return self.ids[key]
 
-    def ensure(self, largest_id: int) -> None:
-        old = self._latency.shape[0]
-        new = max(largest_id + 1, len(self.placements))
-        if new <= old:
-            return
-        latency, per_byte = np.zeros((new, new)), np.zeros((new, new))
-        latency[:old, :old], per_byte[:old, :old] = self._latency, self._per_byte
-        for i in range(new):
-            for j in range(old if i < old else 0, new):
-                latency[i, j], per_byte[i, j] = self._pair(i, j)
-        self._latency, self._per_byte = latency, per_byte
-
-    def _pair(self, i: int, j: int) -> tuple[float, float]:
-        source, target = self.placements[i], self.placements[j]
-        if source is None or target is None or source == target:
-            return 0.0, 0.0
-        return self.cost.reshard_coefficients(source, target)
-
-    def latency(self, i: int, j: int) -> float:
-        self.ensure(max(i, j))
-        return self._latency[i, j]
-
-    def per_byte(self, i: int, j: int) -> float:
-        self.ensure(max(i, j))
-        return self._per_byte[i, j]
+    def coefficients(self, i: int, j: int) -> tuple[float, float]:
+        if (i, j) not in self.pairs:
+            source, target = self.placements[i], self.placements[j]
+            same = source is None or target is None or source == target
+            self.pairs[i, j] = (0.0, 0.0) if same else self.cost.reshard_coefficients(source, target)
+        return self.pairs[i, j]
 
     def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int) -> np.ndarray:
         if nbytes == 0:
             return np.zeros((len(rows), len(cols)))
-        grid = np.ix_(rows, cols)
-        return self._latency[grid] + self._per_byte[grid] * nbytes
+        grid = np.array([[self.coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 2)
+        return grid[..., 0] + grid[..., 1] * nbytes
 
 
 class _Builder:
@@ -270,7 +251,6 @@ class _Builder:
         out_ids = self._output_ids(producer)
         key = (id(out_ids), id(wanted_ids), nbytes)
         if key not in self.matrix_cache:
-            self.table.ensure(max(out_ids.max(initial=0), wanted_ids.max(initial=0)))
             layouts_out, rows = np.unique(out_ids, return_inverse=True)
             layouts_in, cols = np.unique(wanted_ids, return_inverse=True)
             self.matrix_cache[key] = (rows, cols, self.table.matrix(layouts_out, layouts_in, nbytes))
