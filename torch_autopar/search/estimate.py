@@ -133,9 +133,12 @@ def add_exposed_comm(estimate: Estimate) -> None:
 
 
 def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
-    """Bytes per device: ``cost.pricing.memory_copies`` of each node's local shard, by kind."""
-    local = lambda node: (pricing.local_nbytes(node.meta.get("val"), _placements(sharding.specs.get(node)), cost)  # noqa: E731
-                          * estimate.weight(node))
+    """Bytes per device by kind, the copies ``cost.pricing.memory_copies`` counts: each parameter's shard with its
+    gradient and optimizer state, buffers, and the activations saved for backward."""
+    def local(node):
+        value, placements = node.meta.get("val"), _placements(sharding.specs.get(node))
+        return pricing.local_nbytes(value, placements, cost) * estimate.weight(node)
+
     params = sum(local(node) for node in program.param_nodes.values())
     buffers = sum(local(node) for node in program.buffer_nodes.values())
     saved = sum(local(node) for node in pricing.saved_for_backward(program))

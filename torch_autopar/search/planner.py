@@ -200,7 +200,8 @@ class Planner:
                 continue  # this restriction does not fit the budget; the others may
             sharding = to_sharding(self.program, problem, solution.choice, self.mesh, space.replicated_ops, arrival)
             params = {n: sharding.specs[node].placements for n, node in self.program.param_nodes.items()}
-            plan = self._plan(name, sharding, params, bucket_cap_bytes=0)  # each gradient on its own, as the MILP prices it
+            # each gradient synced on its own, as the MILP prices it and the sharded runtime moves it
+            plan = self._plan(name, sharding, params, bucket_cap_bytes=0)
             plan.search_stats.update({
                 "mode": "exact", "decisions": len(problem.decisions), "variables": solution.num_variables,
                 "strategy_generation_s": generated - started, "problem_build_s": built - generated,
