@@ -1,24 +1,22 @@
 """Evaluate one placement of a captured program: compute and communication time, collectives, memory.
 
-Every plan, propagated or searched, is priced here, so candidates compare on equal terms. ``weights`` says how
-many real nodes a captured node stands for (folded layers). Must never change the placement it is given.
+Every plan, propagated or searched, is priced here, so candidates compare on equal terms, with the functions of
+``cost.pricing`` that the MILP's objective uses. ``weights`` says how many real nodes a captured node stands for
+(folded layers). Must never change the placement it is given.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
 from torch_autopar.capture import CapturedProgram
-from torch_autopar.cost import CostModel
-from torch_autopar.cost.ops import dtype_name, is_free, node_flops
+from torch_autopar.cost import CostModel, pricing
+from torch_autopar.cost.ops import is_free, node_flops
+from torch_autopar.cost.pricing import ADAM_STATE_PER_PARAM
 from torch_autopar.search.plan import PlannedCollective
 from torch_autopar.strategies import Sharding
-
-ADAM_STATE_PER_PARAM = 2
-"""Optimizer state assumed for memory estimates: Adam keeps two tensors the size of each parameter."""
 
 
 @dataclass(kw_only=True)
@@ -29,6 +27,8 @@ class Estimate:
     collectives: list[PlannedCollective] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
     exposed_comm: float = 0.0
+    last_grad_sync: float = 0.0
+    """Seconds of the last bucket's gradient sync (its gradients are ready last: nothing hides it)."""
     node_seconds: dict = field(default_factory=dict)
     """Compute seconds of one instance of each node."""
 
@@ -48,28 +48,44 @@ class Estimate:
         return sum(self.memory.values())
 
 
-def _local_nbytes(value, spec, cost: CostModel) -> int:
-    if not isinstance(value, torch.Tensor):
-        return 0
-    placements = getattr(spec, "placements", ())
-    return value.numel() * value.element_size() // cost.shard_factor(placements)
+def _placements(spec):
+    return getattr(spec, "placements", None)
 
 
-def _node_compute(node: fx.Node, sharding: Sharding, cost: CostModel) -> float:
-    split = max([cost.shard_factor(getattr(sharding.specs.get(a), "placements", ())) for a in node.all_input_nodes] + [1])
-    accessed = sum(_local_nbytes(a.meta.get("val"), sharding.specs.get(a), cost) for a in node.all_input_nodes)
-    accessed += _local_nbytes(node.meta.get("val"), sharding.specs.get(node), cost)
-    return cost.compute_time(node_flops(node) / split, accessed, dtype_name(node))
+def _input_placements(node: fx.Node, sharding: Sharding, moved: list) -> list:
+    """The placements ``node``'s inputs are in when it runs: its producers' layouts, each moved as the
+    redistributions of ``node`` say (``moved``: their (input position, source, target); an input whose layout
+    is not the source at that position is found by its layout, in order)."""
+    inputs = [_placements(sharding.specs.get(a)) for a in node.all_input_nodes]
+    done = [False] * len(inputs)
+    for index, source, target in moved:
+        candidates = [index] if index < len(inputs) else []
+        for position in candidates + list(range(len(inputs))):
+            have = inputs[position]
+            if not done[position] and have is not None and tuple(have) == source:
+                inputs[position], done[position] = target, True
+                break
+    return inputs
+
+
+def _moves_by_node(sharding: Sharding) -> dict[str, list]:
+    moves: dict[str, list] = {}
+    for r in sharding.redistributions:
+        moves.setdefault(r.node, []).append((r.arg_index, tuple(r.source), tuple(r.target)))
+    return moves
 
 
 def add_compute(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
                 scale: float = 1.0) -> None:
     """Compute seconds of every op on its local shards; ``scale`` multiplies each (data parallelism: the
     one-process step over the number of ranks)."""
+    moves = _moves_by_node(sharding)
     for node in program.graph.graph.nodes:
         if node.op != "call_function" or is_free(node):
             continue
-        estimate.node_seconds[node] = _node_compute(node, sharding, cost) * scale
+        inputs = _input_placements(node, sharding, moves.get(node.name, ()))
+        output = _placements(sharding.specs.get(node))
+        estimate.node_seconds[node] = pricing.compute_seconds(node, node_flops(node), inputs, output, cost) * scale
         seconds = estimate.node_seconds[node] * estimate.weight(node)
         if program.is_backward(node):
             estimate.backward_compute += seconds
@@ -113,29 +129,32 @@ def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, bucke
         if first is None:
             continue
         nbytes = sum(param_nbytes[name] for name in bucket)
-        for c in cost.moves(sharding.specs[first].placements, param_placements[bucket[0]], nbytes):
-            estimate.collectives.append(PlannedCollective(
-                kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes, phase="grad_sync",
-                where=f"bucket{index}", seconds=cost.collective_time(c.kind, c.axis, c.nbytes)))
+        synced = [PlannedCollective(kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes, phase="grad_sync",
+                                    where=f"bucket{index}", seconds=cost.collective_time(c.kind, c.axis, c.nbytes))
+                  for c in cost.moves(sharding.specs[first].placements, param_placements[bucket[0]], nbytes)]
+        estimate.collectives += synced
+        if index == len(buckets) - 1:
+            estimate.last_grad_sync = sum(c.seconds for c in synced)
 
 
 def add_exposed_comm(estimate: Estimate) -> None:
-    """Forward/backward redistributions are exposed; gradient sync hides behind backward except the last bucket."""
+    """Forward/backward redistributions are exposed; gradient sync hides behind backward except the last bucket
+    (``cost.pricing.exposed_grad_sync``)."""
     blocking = sum(c.seconds * c.count for c in estimate.collectives if c.phase != "grad_sync")
-    grad = [c for c in estimate.collectives if c.phase == "grad_sync"]
-    total_grad = sum(c.seconds * c.count for c in grad)
-    last_bucket = sum(c.seconds for c in grad if c.where == grad[-1].where) if grad else 0.0
-    estimate.exposed_comm = blocking + max(last_bucket, total_grad - estimate.backward_compute)
+    total_grad = sum(c.seconds * c.count for c in estimate.collectives if c.phase == "grad_sync")
+    estimate.exposed_comm = blocking + pricing.exposed_grad_sync(total_grad, estimate.last_grad_sync,
+                                                                 estimate.backward_compute)
 
 
 def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
-    local = lambda node: _local_nbytes(node.meta.get("val"), sharding.specs.get(node), cost) * estimate.weight(node)  # noqa: E731
+    """Bytes per device by kind, the copies ``cost.pricing.memory_copies`` counts: each parameter's shard with its
+    gradient and optimizer state, buffers, and the activations saved for backward."""
+    def local(node):
+        value, placements = node.meta.get("val"), _placements(sharding.specs.get(node))
+        return pricing.local_nbytes(value, placements, cost) * estimate.weight(node)
+
     params = sum(local(node) for node in program.param_nodes.values())
     buffers = sum(local(node) for node in program.buffer_nodes.values())
-    saved = 0
-    for node in program.graph.graph.nodes:
-        if node.op == "call_function" and not program.is_backward(node) and not is_free(node):
-            if any(program.is_backward(user) for user in node.users):
-                saved += local(node)
+    saved = sum(local(node) for node in pricing.saved_for_backward(program))
     estimate.memory = {"parameters": params + buffers, "gradients": params,
                        "optimizer": ADAM_STATE_PER_PARAM * params, "activations": saved}

@@ -9,24 +9,24 @@ Variables
     y[e, p, q] ∈ [0, 1]    on edge e = (u → v): u's output is in layout p and v needs layout q
                            (layouts, not strategies: many strategies share a layout)     (``_add_edge_vars``)
 
-    g ≥ 0                  gradient synchronisation not hidden behind backward compute   (``_exposed_grad_sync``)
+    g ≥ 0                  gradient synchronisation left on the step                   (``_exposed_grad_sync``)
 
 Objective (seconds per step)
     minimise  Σ_d Σ_a cost[d, a] · x[d, a]  +  Σ_{e not grad} Σ_p Σ_q C_e[p, q] · y[e, p, q]  +  g
     cost: compute of each strategy (times the members tied to d) and, for user inputs, resharding from the
     layout they arrive in; C_e: resharding between producer output and consumer requirement, gradient sync,
-    tangent layout, summed over all edges tied to e.
+    tangent layout, summed over all edges tied to e. Every term is priced by ``cost.pricing``, as a plan's
+    estimate prices it, so the optimum is the estimate of the plan returned.
 
 Constraints
     (1) Σ_a x[d, a] = 1                               one strategy per decision     (``_one_strategy_rows``)
     (2) Σ_q y[e, p, q] = Σ_{a: rows_e[a] = p} x[u, a]   for every p   producer marginals (``_edge_rows``)
     (3) Σ_p y[e, p, q] = Σ_{b: cols_e[b] = q} x[v, b]   for every q   consumer marginals (``_edge_rows``)
     (4) Σ_d Σ_a mem[d, a] · x[d, a] ≤ memory budget    bytes per device             (``_memory_row``)
-    (5) only with ``problem.overlap_grad_sync`` (otherwise gradient edges are priced in the objective like the
-        others and g does not exist):
-        g ≥ Σ_{e grad} Σ_p Σ_q C_e[p, q] · y[e, p, q] − Σ_d Σ_a bwd[d, a] · x[d, a]
-        gradient all-reduces / reduce-scatters overlap backward compute (bwd: its share of cost), as the
-        estimator assumes                                                            (``_exposed_grad_sync``)
+    (5) g ≥ Σ_{e grad} Σ_p Σ_q C_e[p, q] · y[e, p, q] − Σ_d Σ_a bwd[d, a] · x[d, a]
+        g ≥ Σ_p Σ_q last_e · C_e[p, q] · y[e, p, q]    for the edge e of the gradient ready last
+        gradient syncs overlap the backward compute (bwd: its share of cost) except the last one, which
+        nothing follows (``cost.pricing.exposed_grad_sync``)                          (``_exposed_grad_sync``)
     (6) x[d, a] = 0 for strategies a a named strategy forbids (data_parallel, fully_shard, ...): an upper
         bound, so one problem serves every restriction                                 (``_Model.solve``)
 
@@ -43,6 +43,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from torch_autopar.cost.pricing import exposed_grad_sync
 from torch_autopar.errors import AutoparError
 from torch_autopar.search.problem import ShardingProblem
 
@@ -101,22 +102,28 @@ class _Model:
     def _add_edge_vars(self) -> None:
         self.y_offset = {}
         for key, edge in self.problem.edges.items():
-            hidden = edge.grad_sync and self.problem.overlap_grad_sync
-            costs = np.zeros(edge.cost.size) if hidden else edge.cost.reshape(-1)
+            costs = np.zeros(edge.cost.size) if edge.grad_sync else edge.cost.reshape(-1)
             self.y_offset[key] = self._new_vars(costs, integral=False)
 
     def _exposed_grad_sync(self) -> None:
         grad = [(key, edge) for key, edge in self.problem.edges.items() if edge.grad_sync]
-        if not grad or not self.problem.overlap_grad_sync:
+        if not grad:
             return
         exposed = self.exposed_index = self._new_vars([1.0 / MICROSECONDS], integral=False)  # g in microseconds
         entries = [(exposed, -1.0)]
         for key, edge in grad:
-            entries += [(self.y_offset[key] + i, float(c) * MICROSECONDS)
-                        for i, c in enumerate(edge.cost.reshape(-1)) if c]
+            entries += self._edge_terms(key, edge, 1.0)
         for d, decision in enumerate(self.problem.decisions):
             entries += [(self.x_offset[d] + a, -float(c) * MICROSECONDS) for a, c in enumerate(decision.backward_cost) if c]
         self._row(entries, -np.inf, 0.0)
+        for key, edge in grad:
+            if edge.last_share:
+                self._row([(exposed, -1.0)] + self._edge_terms(key, edge, edge.last_share), -np.inf, 0.0)
+
+    def _edge_terms(self, key, edge, share: float) -> list[tuple[int, float]]:
+        """``share`` of edge ``key``'s cost as row entries on its y variables, in microseconds."""
+        return [(self.y_offset[key] + i, share * float(c) * MICROSECONDS)
+                for i, c in enumerate(edge.cost.reshape(-1)) if c]
 
     def _edge_rows(self) -> None:
         for key, edge in self.problem.edges.items():
@@ -202,9 +209,8 @@ def objective_of(problem: ShardingProblem, choice: list[int]) -> float:
     """The objective value of a given choice (used to check the solver and to price fixed plans)."""
     total = sum(float(d.cost[a]) for d, a in zip(problem.decisions, choice))
     edge_cost = lambda e: float(e.cost[e.rows[choice[e.producer]], e.cols[choice[e.consumer]]])  # noqa: E731
-    if not problem.overlap_grad_sync:
-        return total + sum(edge_cost(e) for e in problem.edges.values())
     total += sum(edge_cost(e) for e in problem.edges.values() if not e.grad_sync)
     grad = sum(edge_cost(e) for e in problem.edges.values() if e.grad_sync)
+    last = sum(e.last_share * edge_cost(e) for e in problem.edges.values() if e.grad_sync)
     backward = sum(float(d.backward_cost[a]) for d, a in zip(problem.decisions, choice))
-    return total + max(0.0, grad - backward)
+    return total + exposed_grad_sync(grad, last, backward)

@@ -30,6 +30,7 @@ from torch_autopar.search.layouts import node_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
 from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective
 from torch_autopar.search.problem import build_problem
+from torch_autopar.search.role_seeds import role_seeds
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Redistribution, Sharding, format_placements, parse_placements, propagate, seed_placements
 from torch_autopar.strategies.enumerate import enumerate_strategies
@@ -176,14 +177,11 @@ class Planner:
                 sharding.specs[node] = spec_for(self.mesh, value, partial)
         return self._plan(strategy, sharding, params, local_compute=True)
 
-    def fully_shard_propagated(self) -> Plan:
-        seeds = seed_placements(self.program, "data_parallel", self.mesh.ndim)
-        for node in self.program.param_nodes.values():
-            shape = node.meta["val"].shape
-            if shape and shape[0] >= self.mesh.size():
-                seeds[node] = tuple(Shard(0) for _ in range(self.mesh.ndim))
+    def role_propagated(self, strategy: str) -> Plan:
+        """Propagation from seeds that follow ``strategy``'s role on each mesh axis (``search.role_seeds``)."""
+        seeds = role_seeds(self.program, axis_roles(strategy, self.mesh.ndim), tuple(self.mesh.shape))
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
-        return self._plan("fully_shard", propagate(self.program, self.mesh, seeds), params)
+        return self._plan(strategy, propagate(self.program, self.mesh, seeds), params)
 
     def searched(self, strategy: str) -> Plan:
         """The exact search restricted by ``strategy``'s axis roles (its own, smaller problem)."""
@@ -202,6 +200,8 @@ class Planner:
 
     def searched_many(self, strategies: list[str], restriction=None) -> dict[str, Plan]:
         """Exact searches for several named strategies over one problem (restrictions bound leaf choices)."""
+        if self.solver == "propagate":  # nothing to size: the problem is never built
+            return {name: self._fast_mode(name, None) for name in strategies}
         started = time.perf_counter()
         space = enumerate_strategies(self.program, self.mesh, restriction)
         generated = time.perf_counter()
@@ -209,8 +209,6 @@ class Planner:
         problem = build_problem(self.program, space, self.cost, arrival, self.budget, self.weights)
         built = time.perf_counter()
         _, edge_vars = problem.size()
-        if self.solver == "propagate":
-            return {name: self._fast_mode(name, edge_vars) for name in strategies}
         if self.solver == "auto" and edge_vars > MAX_EXACT_EDGE_VARIABLES:
             return self._too_large(strategies, edge_vars, restriction)
         solver = Solver(problem)
@@ -222,7 +220,8 @@ class Planner:
                 continue  # this restriction does not fit the budget; the others may
             sharding = to_sharding(self.program, problem, solution.choice, self.mesh, space.replicated_ops, arrival)
             params = {n: sharding.specs[node].placements for n, node in self.program.param_nodes.items()}
-            plan = self._plan(name, sharding, params)
+            # each gradient synced on its own, as the MILP prices it and the sharded runtime moves it
+            plan = self._plan(name, sharding, params, bucket_cap_bytes=0)
             plan.search_stats.update({
                 "mode": "exact", "decisions": len(problem.decisions), "variables": solution.num_variables,
                 "strategy_generation_s": generated - started, "problem_build_s": built - generated,
@@ -263,22 +262,19 @@ class Planner:
                               f"{MAX_EXACT_EDGE_VARIABLES:,}): searched each named strategy on its own problem")
         return plans
 
-    def _fast_mode(self, strategy: str, edge_vars: int) -> Plan:
-        """Propagation instead of the exact search: the requested strategy's own seed where it has one
-        (data_parallel, fully_shard); otherwise the better of those two, under its own name, with a note."""
+    def _fast_mode(self, strategy: str, edge_vars: int | None) -> Plan:
+        """Propagation instead of the exact search, seeded by the requested strategy's axis roles; "auto" takes
+        the best propagation of every named strategy, so it is never worse than one it could have returned."""
         if strategy == "data_parallel":
             plan = self.propagated("data_parallel")
-        elif strategy == "fully_shard":
-            plan = self.fully_shard_propagated()
+        elif strategy != "auto":
+            plan = self.role_propagated(strategy)
         else:
-            seeds = [self.propagated("data_parallel"), self.fully_shard_propagated()]
-            plan = min(seeds, key=lambda p: (p.peak_memory > self.budget, p.estimated_step_time))
-            if strategy == "auto":
-                plan.search_stats["candidate"] = plan.strategy
-                plan.strategy = "auto"
-            else:
-                plan.notes.append(f"{strategy} could not be searched exactly; this is the {plan.strategy} plan "
-                                  "(propagation has no seed for it)")
+            names = ["data_parallel", "fully_shard", "tensor_parallel"] + (["fsdp_tp"] if self.mesh.ndim >= 2 else [])
+            plans = [self.propagated(n) if n == "data_parallel" else self.role_propagated(n) for n in names]
+            plan = min(plans, key=lambda p: (p.peak_memory > self.budget, p.estimated_step_time))
+            plan.search_stats["candidate"] = plan.strategy
+            plan.strategy = "auto"
         plan.search_stats.update({"mode": "propagation", "edge_variables": edge_vars})
         plan.notes.append(f"fast propagation mode: {edge_vars:,} edge variables exceed the exact limit of "
                           f"{MAX_EXACT_EDGE_VARIABLES:,}" if self.solver == "auto" else "propagation mode requested")

@@ -4,7 +4,8 @@ A decision is a representative node plus the nodes tied to it (repeated layers, 
 node). Choosing strategy ``a`` for a decision places every member accordingly. Costs are seconds from
 ``CostModel``: compute of each strategy, resharding between a producer's output and the placement a consumer's
 strategy needs (summed over all tied edges), gradient synchronisation (gradient placement → parameter placement)
-and tangent layout (forward output → its tangent). Must never solve anything.
+and tangent layout (forward output → its tangent), each priced by ``cost.pricing`` as a plan's estimate prices
+it. Must never solve anything.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ import torch.fx as fx
 
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.layers import find_repeated_layers
-from torch_autopar.cost import CostModel, is_sharded
-from torch_autopar.cost.ops import bytes_accessed, dtype_name, is_free, nbytes, node_flops
+from torch_autopar.cost import CostModel
+from torch_autopar.cost import pricing
+from torch_autopar.cost.ops import nbytes, node_flops
 from torch_autopar.strategies.enumerate import StrategySpace
-
-OPTIMIZER_COPIES = 4
-"""Bytes kept per parameter byte: the parameter, its gradient and Adam's two moments."""
 
 
 @dataclass(kw_only=True)
@@ -50,6 +49,8 @@ class Edge:
     cost: np.ndarray
     grad_sync: bool = False
     """Gradient → parameter layout: overlaps backward compute instead of adding to the step."""
+    last_share: float = 0.0
+    """The share of ``cost`` that is the sync of the gradient ready last (that edge is never merged)."""
 
     def matrix(self) -> np.ndarray:
         """The cost per (producer strategy, consumer strategy) pair."""
@@ -67,11 +68,6 @@ class ShardingProblem:
     strategy_of: dict[fx.Node, object] = field(default_factory=dict)
     """For nodes folded into another node's decision (followers): strategy index → their own NodeStrategy."""
     memory_budget: float = float("inf")
-    overlap_grad_sync: bool = False
-    """Price gradient synchronisation as hidden behind backward compute (constraint (5) of search.milp). Off by
-    default: the coupling row breaks the problem's network structure and made solves ~10x slower (2x4 mesh,
-    2-layer GPT: 2.3 s -> 24 s); without it, gradient sync is priced in full (pessimistic for data parallelism,
-    which the estimator-level comparison in search.planner corrects)."""
 
     def node_strategy(self, node: fx.Node, choice: int):
         """The strategy ``node`` runs with when its decision takes strategy ``choice``."""
@@ -93,16 +89,16 @@ class ShardingProblem:
 
 
 class ReshardTable:
-    """Resharding time between every pair of placements seen, as ``latency + per_byte * nbytes`` tables.
+    """Resharding time between pairs of placements, as ``latency + per_byte * nbytes``, each pair priced on first
+    use (a 3-D mesh sees thousands of layouts; an edge needs only its producer's and consumer's).
 
-    Placements are interned to small integers so an edge's whole cost matrix is two numpy gathers."""
+    Placements are interned to small integers so an edge's cost matrix is a grid of cached pairs."""
 
     def __init__(self, cost: CostModel):
         self.cost = cost
         self.ids: dict[tuple, int] = {}
         self.placements: list = []
-        self._latency = np.zeros((0, 0))
-        self._per_byte = np.zeros((0, 0))
+        self.pairs: dict[tuple[int, int], tuple[float, float]] = {}
 
     def index(self, placements) -> int:
         key = tuple(placements) if placements is not None else None
@@ -111,37 +107,18 @@ class ReshardTable:
             self.placements.append(key)
         return self.ids[key]
 
-    def ensure(self, largest_id: int) -> None:
-        old = self._latency.shape[0]
-        new = max(largest_id + 1, len(self.placements))
-        if new <= old:
-            return
-        latency, per_byte = np.zeros((new, new)), np.zeros((new, new))
-        latency[:old, :old], per_byte[:old, :old] = self._latency, self._per_byte
-        for i in range(new):
-            for j in range(old if i < old else 0, new):
-                latency[i, j], per_byte[i, j] = self._pair(i, j)
-        self._latency, self._per_byte = latency, per_byte
-
-    def _pair(self, i: int, j: int) -> tuple[float, float]:
-        source, target = self.placements[i], self.placements[j]
-        if source is None or target is None or source == target:
-            return 0.0, 0.0
-        return self.cost.reshard_coefficients(source, target)
-
-    def latency(self, i: int, j: int) -> float:
-        self.ensure(max(i, j))
-        return self._latency[i, j]
-
-    def per_byte(self, i: int, j: int) -> float:
-        self.ensure(max(i, j))
-        return self._per_byte[i, j]
+    def coefficients(self, i: int, j: int) -> tuple[float, float]:
+        if (i, j) not in self.pairs:
+            source, target = self.placements[i], self.placements[j]
+            same = source is None or target is None or source == target
+            self.pairs[i, j] = (0.0, 0.0) if same else self.cost.reshard_coefficients(source, target)
+        return self.pairs[i, j]
 
     def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int) -> np.ndarray:
         if nbytes == 0:
             return np.zeros((len(rows), len(cols)))
-        grid = np.ix_(rows, cols)
-        return self._latency[grid] + self._per_byte[grid] * nbytes
+        grid = np.array([[self.coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 2)
+        return grid[..., 0] + grid[..., 1] * nbytes
 
 
 class _Builder:
@@ -154,7 +131,8 @@ class _Builder:
         self.followers: set[fx.Node] = set()
         self.id_cache: dict = {}
         self.matrix_cache: dict = {}
-        self.saved_for_backward = self._saved_for_backward()
+        self.copies = pricing.memory_copies(program)
+        self.flops: dict[fx.Node, float] = {}
 
     def build(self) -> ShardingProblem:
         for node in self.program.graph.graph.nodes:
@@ -235,41 +213,21 @@ class _Builder:
         return np.array([self._compute(node, s) for s in strategies])
 
     def _compute(self, node: fx.Node, strategy) -> float:
-        if is_free(node):
-            return 0.0
-        flops = node_flops(node)
-        split = 1
-        for axis in range(len(self.cost.mesh_shape)):
-            if any(is_sharded(p[axis]) for p in strategy.inputs if p is not None):
-                split *= self.cost.mesh_shape[axis]
-        return self.cost.compute_time(flops / split, bytes_accessed(node) / split, dtype_name(node))
+        if node not in self.flops:
+            self.flops[node] = node_flops(node)
+        return pricing.compute_seconds(node, self.flops[node], strategy.inputs, strategy.output, self.cost)
 
     def _node_memory(self, node: fx.Node, strategies) -> np.ndarray:
-        value = node.meta.get("val")
-        if node in self.program.param_nodes.values():
-            factor = OPTIMIZER_COPIES
-        elif node in self.saved_for_backward:
-            factor = 1
-        else:
+        copies = self.copies.get(node, 0) * self.weights.get(node, 1)
+        if not copies:
             return np.zeros(len(strategies))
-        factor *= self.weights.get(node, 1)
-        return np.array([factor * nbytes(value) / self.cost.shard_factor(s.output) for s in strategies])
-
-    def _saved_for_backward(self) -> set:
-        saved = set()
-        for node in self.program.graph.graph.nodes:
-            if node.op == "call_function" and not self.program.is_backward(node) and not is_free(node):
-                if any(self.program.is_backward(user) for user in node.users):
-                    saved.add(node)
-        return saved
+        value = node.meta.get("val")
+        return np.array([copies * pricing.local_nbytes(value, s.output, self.cost) for s in strategies], dtype=float)
 
     # edges ------------------------------------------------------------------------------------------------------
     def reshard(self, source, target, nbytes: int) -> float:
         """Seconds to move ``nbytes`` (global) from ``source`` to ``target`` placements."""
-        if source is None or target is None or tuple(source) == tuple(target) or nbytes == 0:
-            return 0.0
-        i, j = self.table.index(source), self.table.index(target)
-        return float(self.table.latency(i, j) + self.table.per_byte(i, j) * nbytes)
+        return pricing.reshard_seconds(source, target, nbytes, self.cost)
 
     def _output_ids(self, node: fx.Node) -> np.ndarray:
         """Placement ids of ``node``'s output under each strategy of its decision (cached per candidate list)."""
@@ -288,25 +246,25 @@ class _Builder:
         return self.id_cache[key]
 
     def _add_edge(self, producer: fx.Node, consumer: fx.Node, wanted_ids: np.ndarray, nbytes: int,
-                  grad_sync: bool = False) -> None:
+                  grad_sync: bool = False, last: bool = False) -> None:
         du, dv = self.problem.decision_of[producer], self.problem.decision_of[consumer]
         out_ids = self._output_ids(producer)
         key = (id(out_ids), id(wanted_ids), nbytes)
         if key not in self.matrix_cache:
-            self.table.ensure(max(out_ids.max(initial=0), wanted_ids.max(initial=0)))
             layouts_out, rows = np.unique(out_ids, return_inverse=True)
             layouts_in, cols = np.unique(wanted_ids, return_inverse=True)
             self.matrix_cache[key] = (rows, cols, self.table.matrix(layouts_out, layouts_in, nbytes))
         rows, cols, cost = self.matrix_cache[key]
         cost = cost * self.weights.get(consumer, 1)
-        if du == dv:
+        if du == dv and not grad_sync:
             self.problem.decisions[du].cost += cost[rows, cols]
         elif cost.any():
-            edge_key = (du, dv, rows.tobytes(), cols.tobytes(), grad_sync)  # tied layers' edges share one
+            edge_key = (du, dv, rows.tobytes(), cols.tobytes(), grad_sync, last)  # tied layers' edges share one
             edge = self.problem.edges.get(edge_key)
             if edge is None:
                 self.problem.edges[edge_key] = Edge(producer=du, consumer=dv, rows=rows, cols=cols, cost=cost,
-                                                    grad_sync=grad_sync)
+                                                    grad_sync=grad_sync,
+                                                    last_share=1.0 / self.weights.get(consumer, 1) if last else 0.0)
             else:
                 edge.cost = edge.cost + cost
 
@@ -319,10 +277,14 @@ class _Builder:
             self._add_edge(producer, node, wanted, nbytes(producer.meta.get("val")))
 
     def _gradient_edges(self) -> None:
-        for name, grad in self.program.grad_nodes.items():
-            param = self.program.param_nodes[name]
+        """One edge per gradient (parameter layouts): the sharded runtime moves each gradient on its own; the
+        gradient ready last (of a folded layer: one of the real layers it stands for) keeps its own edge."""
+        order = self.program.grad_ready_order()
+        for name in order:
+            grad, param = self.program.grad_nodes[name], self.program.param_nodes[name]
             if grad in self.problem.decision_of and param in self.problem.decision_of:
-                self._add_edge(grad, param, self._output_ids(param), nbytes(param.meta["val"]), grad_sync=True)
+                self._add_edge(grad, param, self._output_ids(param), nbytes(param.meta["val"]), grad_sync=True,
+                               last=name == order[-1])
 
     def _tangent_edges(self) -> None:
         for tangent, index in self.program.tangent_nodes.items():

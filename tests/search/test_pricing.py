@@ -1,0 +1,72 @@
+"""One pricing function: the MILP's optimum is the estimate of the plan it returns (``cost.pricing`` prices both).
+
+Every searched strategy on a 1-D and a 2-D fake mesh, with and without a memory budget that binds, on a wide MLP
+and a small GPT (meta tensors: nothing is allocated).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_autopar.capture import capture
+from torch_autopar.cost import get_profile
+from torch_autopar.launch import offline_mesh
+from torch_autopar.search import Planner
+from torch_autopar.testing.models import GPT, MLP, GPTConfig
+
+MESHES = {(4,): ("dp",), (2, 2): ("dp", "tp")}
+
+
+def _mlp():
+    with torch.device("meta"):
+        return capture(MLP((256, 1024, 1024, 256)), (torch.empty(64, 256, device="meta"),), {})
+
+
+def _gpt():
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+        tokens = torch.zeros(8, 32, dtype=torch.long, device="meta")
+        return capture(model, (tokens,), {})
+
+
+PROGRAMS = {"mlp": _mlp, "gpt": _gpt}
+
+
+@pytest.fixture(scope="module", params=sorted(PROGRAMS))
+def program(request):
+    return PROGRAMS[request.param]()
+
+
+def _searched(program, mesh_shape, strategy, budget=None):
+    with offline_mesh(mesh_shape, MESHES[mesh_shape]) as mesh:
+        planner = Planner(program, mesh, MESHES[mesh_shape], hardware=get_profile("h100"), memory_budget=budget)
+        if strategy == "auto":
+            return planner.searched_many(["auto"])["auto"]
+        return planner.searched(strategy)
+
+
+def _strategies(mesh_shape):
+    return ["auto", "fully_shard", "tensor_parallel"] + (["fsdp_tp"] if len(mesh_shape) > 1 else [])
+
+
+@pytest.mark.parametrize("mesh_shape", sorted(MESHES), ids=lambda s: "x".join(map(str, s)))
+def test_objective_equals_estimate_of_the_returned_plan(program, mesh_shape):
+    for strategy in _strategies(mesh_shape):
+        plan = _searched(program, mesh_shape, strategy)
+        assert plan.search_stats["mode"] == "exact"
+        assert plan.search_stats["objective_s"] == pytest.approx(plan.estimated_step_time, rel=1e-9), strategy
+
+
+@pytest.mark.parametrize("mesh_shape", sorted(MESHES), ids=lambda s: "x".join(map(str, s)))
+def test_objective_equals_estimate_under_a_budget_that_binds(program, mesh_shape):
+    for strategy in _strategies(mesh_shape):
+        free = _searched(program, mesh_shape, strategy)
+        budget = free.peak_memory - 1
+        try:
+            plan = _searched(program, mesh_shape, strategy, budget)
+        except Exception as error:  # the restriction has no plan under this budget: nothing to compare
+            assert "fits the memory budget" in str(error), error
+            continue
+        assert plan.peak_memory <= budget
+        assert plan.search_stats["objective_s"] == pytest.approx(plan.estimated_step_time, rel=1e-9), strategy
