@@ -64,9 +64,12 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
 def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h100", strategy="auto",
          memory_budget=None, axis_names=None, example_kwargs=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto", fold_layers: bool = True,
-         pipeline=None, microbatches=None, schedule=None, mixed_precision=None) -> Plan:
+         pipeline=None, microbatches=None, schedule=None, mixed_precision=None, mode=None) -> Plan:
     """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK).
 
+    mode: the mode the plan will run in ("eager" or "graph"; None: the global mode). A graph-mode plan is the
+    per-rank program compile runs (its boundary moves, one collective per gradient): for the same model, mesh,
+    hardware and batch it equals the plan ``compile(..., mode="graph")`` makes (with ``fold_layers=False``).
     solver: "auto" (exact MILP unless the problem is too large, then propagation), "milp" or "propagate".
     fold_layers: capture only the first, one middle and the last layer of long lists of identical layers and
     weigh the middle one by the number of layers it stands for (see capture.fold); False captures every layer.
@@ -76,6 +79,8 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
 
     pipeline="auto" plans ``strategy`` without a pipeline too and returns the faster of the two that fits."""
     check_strategy(strategy)
+    if mode is not None and mode not in MODES:
+        raise AutoparError(f"mode={mode!r}: expected one of {MODES} or None (the global mode).")
     policy = precision.resolve(mixed_precision)
     world = math.prod(launch.mesh.check_mesh_shape(mesh_shape, None, "mesh_shape"))
     options = pipelining.check_options(pipeline, microbatches, schedule, world)
@@ -102,7 +107,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
         return _plan_on_mesh(model, _as_tuple(example_inputs), dict(example_kwargs or {}), mesh, batch_factor=1,
                              strategy=strategy, hardware=hardware, memory_budget=memory_budget,
                              bucket_cap_bytes=bucket_cap_bytes, executable=False, solver=solver,
-                             fold_layers=fold_layers, policy=policy)
+                             fold_layers=fold_layers, policy=policy, mode=mode or get_mode())
 
 
 def _offline_pipeline_plan(model, args, options, world, hardware) -> Plan:
