@@ -292,6 +292,14 @@ def dynamo_unsupported_errors() -> tuple[type, ...]:
 DynamoUnsupported = dynamo_unsupported_errors
 
 
+def is_graph_compiler_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a code generator's failure on a captured graph (Inductor's, or a backend's), not a
+    graph break."""
+    from torch._dynamo import exc
+
+    return isinstance(error, exc.BackendCompilerFailed)
+
+
 def graph_break_reason(error: BaseException) -> str:
     """Why dynamo could not capture a forward as one graph, in one line: its explanation of the break and the
     user's line that caused it (the last frame of dynamo's "from user code" trace), else the error's first line."""

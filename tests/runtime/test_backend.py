@@ -61,3 +61,34 @@ def test_data_parallel_backend_all_reduces_each_bucket_in_backward():
     assert stats["synced_bytes_per_backward"] == sum(p.numel() * 4 for p in named.values())
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad * world, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_graph_compiler_is_selected_by_the_environment_and_a_bad_name_is_a_clear_error(monkeypatch):
+    from torch_autopar.errors import AutoparError
+    from torch_autopar.runtime import backend
+
+    monkeypatch.delenv("AUTOPAR_GRAPH_COMPILER", raising=False)
+    assert backend.graph_compiler() == ("inductor" if torch.cuda.is_available() else "python")
+    monkeypatch.setenv("AUTOPAR_GRAPH_COMPILER", "inductor")
+    assert backend.graph_compiler() == "inductor"
+    monkeypatch.setenv("AUTOPAR_GRAPH_COMPILER", "tvm")
+    try:
+        backend.graph_compiler()
+    except AutoparError as error:
+        assert str(error).startswith("torch_autopar: AUTOPAR_GRAPH_COMPILER='tvm': expected one of")
+    else:
+        raise AssertionError("an unknown graph compiler was accepted")
+
+
+def test_a_graph_compiler_failure_is_named_as_such_not_as_a_graph_break():
+    """Inductor failing on a captured graph is not a graph break: the error says which compiler failed and how
+    to run without it."""
+    from torch._inductor.exc import InductorError
+
+    import torch_autopar as autopar
+
+    pmodel = autopar.compile(MLP((4, 8, 2)), torch.randn(2, 4), mode="graph")
+    message = str(pmodel._graph_error(InductorError(AssertionError("both a fallback and a decomp"), None)))
+    assert message.startswith("torch_autopar: graph mode captured MLP.forward, but the graph compiler"), message
+    assert "both a fallback and a decomp" in message and "AUTOPAR_GRAPH_COMPILER=python" in message
+    assert "as one graph" not in message

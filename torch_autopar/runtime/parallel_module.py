@@ -197,6 +197,11 @@ class ParallelModule(torch.nn.Module):
             raise self._graph_error(error) from error
 
     def _graph_error(self, error) -> AutoparError:
+        if _compat.is_graph_compiler_failure(error):
+            return AutoparError(
+                f"graph mode captured {type(self.module).__name__}.forward, but the graph compiler "
+                f"({backends.graph_compiler()!r}) failed on it: {str(error).splitlines()[0][:300]}. Run the graphs as "
+                "Python (AUTOPAR_GRAPH_COMPILER=python) or in eager mode (compile(..., mode='eager')).")
         return AutoparError(
             f"graph mode could not compile {type(self.module).__name__}.forward as one graph: "
             f"{_compat.graph_break_reason(error)}. A sharded plan runs the whole forward as one graph; remove or "
