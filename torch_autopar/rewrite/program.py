@@ -20,6 +20,7 @@ for the backend's compilers. Must never choose a layout (the plan does) and neve
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from dataclasses import dataclass, field
 
@@ -70,6 +71,13 @@ class _Tangent:
     """A tangent's local tensor, not yet entered into the program."""
 
     local: torch.Tensor
+
+
+def _per_output(layout_output):
+    """A multi-output node's layout, one entry per output (a single tuple of placements applies to each)."""
+    if layout_output and isinstance(layout_output[0], str):
+        return itertools.repeat(layout_output)
+    return layout_output
 
 
 class _Rewriter(fx.Interpreter):
@@ -152,9 +160,7 @@ class _Rewriter(fx.Interpreter):
                 self.report.unlaid.append(node.name)
             return self._replicated(output)
         if isinstance(output, (tuple, list)):
-            wanted = layout.output if isinstance(layout.output, tuple) and layout.output and isinstance(
-                layout.output[0], (tuple, type(None))) else (layout.output,) * len(output)
-            return type(output)(self._conform_one(node, v, w) for v, w in zip(output, wanted))
+            return type(output)(self._conform_one(node, v, w) for v, w in zip(output, _per_output(layout.output)))
         return self._conform_one(node, output, layout.output)
 
     def _conform_one(self, node: fx.Node, value, wanted):
