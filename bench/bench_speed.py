@@ -11,7 +11,9 @@ rounds (order rotating), each step after a barrier and counted as its slowest ra
   tp_hand            parallelize_module: column- then row-parallel MLP layers, the whole batch on every rank
   autopar_auto       autopar.compile(strategy="auto") (its chosen plan), each rank its slice
   autopar_fully_shard, autopar_tensor_parallel   the named strategies
-  autopar_tp_hand    autopar.compile(strategy=<the tp_hand layout as a Plan>): same layout as tp_hand
+  autopar_tp_hand    autopar.compile(strategy=<the tp_hand layout as a Plan>): same layout as tp_hand, each
+                     rank its slice (the batch is gathered for the column layer, outputs split again)
+  autopar_tp_hand_full   the same with full_batch=True: the whole batch on every rank, as tp_hand
   autopar_*_graph    the same in graph mode (torch.compile through the "autopar" backend: no DTensor dispatch)
 Memory per rank: the local bytes of parameters, gradients and optimizer state (DTensor shards counted as
 held), and the process's peak RSS at the end. Bytes communicated per rank per step: counted with
@@ -45,10 +47,12 @@ from torch_autopar.testing.models import GPT, MLP, GPTConfig, gpt2_init, gpt_los
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "speed.json")
 VARIANTS = ("ddp", "fsdp2", "tp_hand", "autopar_auto", "autopar_fully_shard", "autopar_tensor_parallel",
-            "autopar_tp_hand", "autopar_auto_graph", "autopar_fully_shard_graph", "autopar_tp_hand_graph")
+            "autopar_tp_hand", "autopar_tp_hand_full", "autopar_auto_graph", "autopar_fully_shard_graph",
+            "autopar_tp_hand_graph", "autopar_tp_hand_full_graph")
 PAIRS = (("autopar_auto", "ddp"), ("autopar_data_parallel", "ddp"), ("autopar_auto", "fsdp2"), ("autopar_auto", "tp_hand"),
          ("autopar_fully_shard", "fsdp2"), ("autopar_tp_hand", "tp_hand"), ("autopar_tensor_parallel", "tp_hand"),
-         ("autopar_auto_graph", "ddp"), ("autopar_fully_shard_graph", "fsdp2"), ("autopar_tp_hand_graph", "tp_hand"))
+         ("autopar_tp_hand_full", "tp_hand"), ("autopar_auto_graph", "ddp"), ("autopar_fully_shard_graph", "fsdp2"),
+         ("autopar_tp_hand_graph", "tp_hand"), ("autopar_tp_hand_full_graph", "tp_hand"))
 
 
 # workloads --------------------------------------------------------------------------------------------------
@@ -81,7 +85,8 @@ WORKLOADS = {
                       F.cross_entropy),
 }
 FOUR_RANK_WORKLOADS = ("gpt_256", "mlp_wide_small_batch")
-QUICK_VARIANTS = ("ddp", "fsdp2", "tp_hand", "autopar_auto", "autopar_fully_shard", "autopar_tp_hand")
+QUICK_VARIANTS = ("ddp", "fsdp2", "tp_hand", "autopar_auto", "autopar_fully_shard", "autopar_tp_hand",
+                  "autopar_tp_hand_full")
 RESNET_VARIANTS = ("ddp", "autopar_auto", "autopar_data_parallel")
 """ResNet-50 is MindSpore's showcase (its automatic plan ~8% faster than hand data parallelism on 8 Ascend 910):
 the analogous ratio here is autopar_auto / ddp. 64x64 images keep it within the time budget on 2 CPU cores."""
@@ -101,9 +106,10 @@ def _tp_layers(model) -> dict[str, str]:
     return {f"layers.{i}": ("col" if i % 2 == 0 else "row") for i in range(len(model.layers) - len(model.layers) % 2)}
 
 
-def _hand_plan(model, global_x, world):
+def _hand_plan(model, global_x, world, full_batch: bool):
     """The tp_hand layout as an autopar Plan: column weights/biases S(0), row weights S(1), rest replicated."""
-    plan = autopar.plan(model, (global_x,), mesh_shape=(world,), strategy="data_parallel", hardware="cpu-gloo")
+    plan = autopar.plan(model, (global_x,), mesh_shape=(world,), strategy="data_parallel", hardware="cpu-gloo",
+                        full_batch=full_batch)
     layers = _tp_layers(model)
     for name in plan.param_placements:
         owner, leaf = name.rsplit(".", 1)
@@ -140,9 +146,11 @@ def make_variant(name, workload, rank, world, global_x):
     else:
         mode = "graph" if name.endswith("_graph") else "eager"
         strategy = name.removeprefix("autopar_").removesuffix("_graph")
+        whole = strategy.endswith("_full")
+        strategy = strategy.removesuffix("_full")
         if strategy == "tp_hand":
-            strategy = _hand_plan(build(), global_x, world)
-        net = autopar.compile(model, local_x, strategy=strategy, mode=mode)
+            strategy = _hand_plan(build(), global_x, world, whole)
+        net = autopar.compile(model, global_x if whole else local_x, strategy=strategy, mode=mode, full_batch=whole)
     return net, torch.optim.AdamW(net.parameters(), lr=1e-4), whole
 
 
@@ -173,8 +181,8 @@ def state_bytes(variant) -> int:
 
 def counted_bytes(variant, loss_fn, batch, rank, world) -> int:
     """Bytes one rank's collectives move in one step. Graph mode: a dispatch mode cannot run inside
-    torch.compile, so the forward graph's collectives are read from the compiled graph (plus the 16-byte
-    batch check outside it) and backward is counted as it runs."""
+    torch.compile, so the forward graph's collectives are read from the compiled graph (plus the plan's input
+    check outside it) and backward is counted as it runs."""
     net, optimizer, whole = variant
     if getattr(net, "mode", None) != "graph":
         with CollectiveCounter(getattr(net, "mesh", None)) as counter:
@@ -187,7 +195,8 @@ def counted_bytes(variant, loss_fn, batch, rank, world) -> int:
         loss.backward()
     optimizer.step()
     forward = sum(nbytes for _, _, nbytes in net.stats.get("graph_collectives", {}).get("forward", []))
-    return sum(r.nbytes for r in counter.records) + forward + 16
+    check = sum(c.nbytes for c in net.plan.collectives if c.where.endswith("check"))
+    return sum(r.nbytes for r in counter.records) + forward + check
 
 
 def worker(rank, world, options):

@@ -5,10 +5,15 @@ Functions used inside ``run_on_ranks`` must be importable by module name (spawne
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import torch_autopar as autopar
+from torch_autopar import _compat
+from torch_autopar.runtime.comm_count import CollectiveCounter
 from torch_autopar.testing.models import GPT, MLP, SmallCNN, gpt_loss
 
 STEPS = 3
@@ -96,6 +101,57 @@ def train_steps(module: nn.Module, model_name: str, optimizer, rank: int = 0, wo
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def _graph_forward_collectives(pmodel) -> Counter:
+    names = {_compat.group_name(pmodel.mesh.get_group(i)): n for i, n in enumerate(pmodel.mesh.mesh_dim_names)}
+    forward = pmodel.stats["graph_collectives"]["forward"]
+    check = next(c for c in pmodel.plan.collectives if c.where.endswith("check"))  # the input check, outside the graph
+    return (Counter((kind, names.get(group, group), nbytes) for kind, group, nbytes in forward)
+            + Counter([(check.kind, check.axis, check.nbytes)]))
+
+
+def counted_step(pmodel, model_name: str, optimizer, x, y, mode: str):
+    """One training step of a compiled module; returns (loss, Counter of (kind, mesh axis, bytes) of the
+    collectives that ran). Graph mode: the forward graph's collectives are read from the compiled graph (a
+    dispatch mode cannot run inside torch.compile), backward is counted."""
+    optimizer.zero_grad(set_to_none=True)
+    sharded = pmodel.mesh is not None
+    counter = CollectiveCounter(pmodel.mesh) if sharded else None
+    if mode == "eager" and sharded:
+        with counter:
+            loss = loss_fn(model_name, pmodel(x), y)
+            loss.backward()
+        counted = counter.summary()
+    else:
+        loss = loss_fn(model_name, pmodel(x), y)
+        if sharded:
+            with counter:
+                loss.backward()
+            counted = counter.summary() + _graph_forward_collectives(pmodel)
+        else:
+            loss.backward()
+            counted = Counter()
+    optimizer.step()
+    return loss.item(), counted
+
+
+def megatron_plan(model, global_x, mesh, full_batch: bool = False):
+    """A hand plan: first linear of each MLP block column-parallel on the last mesh axis (weight and bias
+    S(0)), second row-parallel (weight S(1), bias replicated), everything else replicated; on a 2-D mesh the
+    batch is split over the first axis, on a 1-D mesh every rank computes the whole batch."""
+    plan = autopar.plan(model, (global_x,), mesh_shape=mesh, strategy="data_parallel", hardware="cpu-gloo",
+                        full_batch=full_batch)
+    column = ("layers.0.", "fc.")
+    row = ("layers.1.weight", "out.weight")
+    lead = ("R",) * (len(mesh) - 1)
+    for name in plan.param_placements:
+        tail = name.split("blocks.")[-1].split(".", 1)[-1] if "blocks." in name else name
+        plan.param_placements[name] = lead + (("S(0)",) if tail.startswith(column) else ("S(1)",) if tail in row
+                                              else ("R",))
+    plan.input_placements = {0: ("S(0)", "R") if len(mesh) == 2 else ("R",)}
+    plan.strategy = "megatron (hand plan)"
+    return plan
 
 
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:

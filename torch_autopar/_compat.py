@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors, make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.utils import flop_counter as _flop_counter
@@ -475,6 +475,34 @@ def _redistribute_as_required(op_call, args: tuple, kwargs: dict) -> tuple:
     return tuple(moved)
 
 
+def fix_empty_cat_redistribution() -> None:
+    """``aten.cat`` skips 1-D empty tensors (the legacy "nothing yet" value, e.g. transformers' key/value cache
+    before its first update), but DTensor's rule asks for every input in the layout of the others, and an empty
+    1-D tensor cannot be sharded on a dim >= 1. Keep such inputs replicated (their local value is the same
+    empty tensor). Idempotent."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.cat.default
+    original = propagator.op_strategy_funcs.get(op)
+    if original is None or getattr(original, "_autopar_keeps_empty", False):
+        return
+
+    def strategy(op_schema, original=original):
+        result = original(op_schema)
+        children = op_schema.args_schema[0].children
+        empty = [i for i, child in enumerate(children) if tuple(child.strategies[0].output_spec.shape) == (0,)]
+        for spec in result.strategies if empty else ():
+            inputs = list(spec.input_specs)
+            for index in empty:
+                mesh = inputs[index].mesh
+                inputs[index] = DTensorSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)), inputs[index].tensor_meta)
+            spec.input_specs = tuple(inputs)
+        return result
+
+    strategy._autopar_keeps_empty = True
+    propagator.op_strategy_funcs[op] = strategy
+    propagator.propagate_op_sharding.cache_clear()
+
+
 def fix_inplace_redistribution() -> None:
     """DTensor runs an op that updates an argument in place (batch norm's running statistics) on a
     redistributed copy when its rule wants that argument in another layout, so the update is lost. Wrap such
@@ -511,7 +539,6 @@ def prefer_early_partial_reduction() -> None:
     the partial sum is reduced once where it is made, as Megatron-style tensor parallelism does. Only changes
     which layout DTensor picks (never a value); the planner's propagation runs the same rule, so plans still
     list exactly the collectives that run. Idempotent; process-wide."""
-    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._ops import utils as ops_utils
 
     original = ops_utils.redistribute_cost

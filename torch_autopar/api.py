@@ -5,6 +5,7 @@ Thin by design: every decision lives in a stage. Must never contain planning or 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -17,7 +18,7 @@ from torch_autopar.capture.fold import folded_layers
 from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import get_profile
 from torch_autopar.errors import AutoparError
-from torch_autopar.rewrite.placement import batch_size
+from torch_autopar.rewrite.placement import batch_size, global_parameters
 from torch_autopar.runtime import ParallelModule, precision, recompute
 from torch_autopar.runtime.modes import MODES, get_mode
 from torch_autopar.runtime.pipeline import PipelineModule
@@ -46,7 +47,7 @@ def _capture(module, fake_args, fake_kwargs, policy):
 
 def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes,
                   executable: bool, solver: str = "auto", fold_layers: bool = False, mode: str = "eager",
-                  policy: precision.MixedPrecision | None = None):
+                  policy: precision.MixedPrecision | None = None, full_batch: bool = False):
     started = time.perf_counter()
     fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, batch_factor)
     with folded_layers(module, enabled=fold_layers) as folding:
@@ -56,7 +57,7 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
     result = build_plan(program, mesh, names, strategy=strategy, hardware=get_profile(hardware),
                         memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
                         global_batch=batch_size(fake_args, fake_kwargs), executable=executable, solver=solver,
-                        folding=folding, mode=mode, **precision.planned_dtypes(policy))
+                        folding=folding, mode=mode, full_batch=full_batch, **precision.planned_dtypes(policy))
     result.search_stats.update({"capture_s": captured - started, "total_s": time.perf_counter() - started})
     return result
 
@@ -64,7 +65,8 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
 def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h100", strategy="auto",
          memory_budget=None, axis_names=None, example_kwargs=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto", fold_layers: bool = True,
-         pipeline=None, microbatches=None, schedule=None, mixed_precision=None, mode=None) -> Plan:
+         pipeline=None, microbatches=None, schedule=None, mixed_precision=None, mode=None,
+         full_batch: bool = False) -> Plan:
     """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK).
 
     mode: the mode the plan will run in ("eager" or "graph"; None: the global mode). A graph-mode plan is the
@@ -76,6 +78,8 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
     pipeline / microbatches / schedule: as in ``compile``; the mesh's ranks are then (data-parallel, pipeline).
     mixed_precision: as in ``compile``; compute and activations are priced in its param_dtype, gradient
     reductions in its reduce_dtype.
+    full_batch: as in ``compile``: every rank passes the whole batch, so inputs arrive and outputs leave
+    replicated (False: each rank passes its slice).
 
     pipeline="auto" plans ``strategy`` without a pipeline too and returns the faster of the two that fits."""
     check_strategy(strategy)
@@ -86,7 +90,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
     options = pipelining.check_options(pipeline, microbatches, schedule, world)
     if options is not None:
         _check_pipeline_precision(policy)
-        _check_pipeline_strategy(strategy, None, False, options)
+        _check_pipeline_strategy(strategy, None, full_batch, options)
         if options.searched:
             intra = functools.partial(plan, model, example_inputs, mesh_shape=mesh_shape, hardware=hardware,
                                       strategy=strategy, memory_budget=memory_budget, axis_names=axis_names,
@@ -107,7 +111,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
         return _plan_on_mesh(model, _as_tuple(example_inputs), dict(example_kwargs or {}), mesh, batch_factor=1,
                              strategy=strategy, hardware=hardware, memory_budget=memory_budget,
                              bucket_cap_bytes=bucket_cap_bytes, executable=False, solver=solver,
-                             fold_layers=fold_layers, policy=policy, mode=mode or get_mode())
+                             fold_layers=fold_layers, policy=policy, mode=mode or get_mode(), full_batch=full_batch)
 
 
 def _offline_pipeline_plan(model, args, options, world, hardware) -> Plan:
@@ -249,16 +253,25 @@ class _Planner:
             return plan_from_parameters(params, world, names, strategy=self.strategy, reason=str(error),
                                         bucket_cap_bytes=self.bucket_cap_bytes)
 
-    def _as_executed(self, module, args, kwargs, factor) -> Plan:
-        """A given sharded plan with the collectives the runtime will run for it (captured on this call)."""
-        plan = self.strategy
+    def without_module_boundaries(self, module, args, kwargs, plan: Plan) -> Plan:
+        """``plan`` (sharded, running on ``module``) executed in eager mode as DTensor places every op, with no
+        submodule held to its layouts: what eager mode falls back to when DTensor cannot run those layouts."""
+        world = launch.get_world_size()
+        with global_parameters(module):
+            return self._as_executed(module, args, kwargs, 1 if self.full_batch else world,
+                                     dataclasses.replace(plan, node_layouts={}, module_layouts={}))
+
+    def _as_executed(self, module, args, kwargs, factor, plan: Plan | None = None) -> Plan:
+        """A given sharded plan (``self.strategy`` unless given) with the collectives the runtime will run for
+        it (captured on this call)."""
+        plan = plan or self.strategy
         mesh = launch.mesh.job_mesh(tuple(plan.mesh_shape), tuple(plan.axis_names))
         fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, factor)
         program = _capture(module, fake_args, fake_kwargs, self.policy)
         hardware = plan.hardware if plan.hardware != "unknown" else (self.hardware or "cpu-gloo")
         planner = Planner(program, mesh, plan.axis_names, hardware=get_profile(hardware),
                           global_batch=batch_size(fake_args, fake_kwargs), mode=self._mode(),
-                          **precision.planned_dtypes(self.policy))
+                          full_batch=self.full_batch, **precision.planned_dtypes(self.policy))
         return planner.executed(plan)
 
     def _plan_with_graph(self, module, args, kwargs, world, factor) -> Plan:
@@ -271,7 +284,7 @@ class _Planner:
         return _plan_on_mesh(module, args, kwargs, mesh, batch_factor=factor, strategy=self.strategy,
                              hardware=self.hardware or "cpu-gloo", memory_budget=self.memory_budget,
                              bucket_cap_bytes=self.bucket_cap_bytes, executable=True, mode=self._mode(),
-                             policy=self.policy)
+                             policy=self.policy, full_batch=self.full_batch)
 
     def _mode(self) -> str:
         """The mode the module will run in (its own, else the global one at planning time)."""
@@ -294,6 +307,9 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     """Plan ``model`` for this job's ranks and return a module that runs the plan (also a class decorator).
 
     example_inputs: what this rank will pass (its slice of the global batch); None plans at the first call.
+    full_batch: every rank passes the whole global batch (as parallelize_module users call a model): a sharded
+    plan takes it replicated and returns its outputs replicated, moving no batch slices; data parallelism
+    computes this rank's slice and gathers the outputs.
     activation_checkpointing: None, "full" or "selective" (runtime.recompute): recompute the repeated layers'
     activations in backward (all of them, or all but matmul and attention outputs) to save memory.
     pipeline: None, or N pipeline stages (ranks laid out as world/N data-parallel x N pipeline; cut between the

@@ -3,12 +3,13 @@ the batch, what an output's gradient layout is, and which collectives a layout c
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import torch_autopar as autopar
 from torch_autopar.cost import CostModel, get_profile
 from torch_autopar.launch.mesh import offline_mesh
-from torch_autopar.rewrite.placement import batch_axes, compute_placements
+from torch_autopar.rewrite.placement import gathered_parameters
+from torch_autopar.strategies.boundary import batch_axes, compute_layouts
 from torch_autopar.strategies.propagate import tangent_placements
 from torch_autopar.testing.models import MLP
 
@@ -16,18 +17,36 @@ import torch
 
 
 def test_parameters_sharded_over_a_batch_axis_are_gathered_and_others_compute_sharded():
-    assert compute_placements((Shard(0), Shard(1)), {0}) == (Replicate(), Shard(1))
-    assert compute_placements((Shard(0),), set()) == (Shard(0),)
-    assert compute_placements((Replicate(), Shard(0)), {0, 1}) == (Replicate(), Replicate())
+    storage = {"a": (Shard(0), Shard(1)), "b": (Replicate(), Shard(0))}
+    assert compute_layouts(storage, (Shard(0), Replicate()), {}) == {"a": (Replicate(), Shard(1)),
+                                                                     "b": (Replicate(), Shard(0))}
+    assert compute_layouts(storage, (Replicate(), Replicate()), {}) == storage
+    assert compute_layouts(storage, (Shard(0), Shard(0)), {})["b"] == (Replicate(), Replicate())
+
+
+def test_the_plans_own_compute_layout_wins_over_the_fully_sharded_rule():
+    storage = {"a": (Shard(0),), "b": (Shard(0),)}
+    assert compute_layouts(storage, (Shard(0),), {"a": (Shard(0),)}) == {"a": (Shard(0),), "b": (Replicate(),)}
 
 
 def test_batch_axes_are_where_the_first_input_is_split_on_dim_0():
-    plan = autopar.plan(MLP((8, 8)), (torch.randn(8, 8),), mesh_shape=(2, 2), strategy="data_parallel",
+    assert batch_axes((Shard(0), Replicate())) == {0}
+    assert batch_axes((Replicate(), Replicate())) == set()
+    assert batch_axes((Shard(1), Shard(0))) == {1}
+
+
+def test_eager_mode_gathers_what_the_plan_computes_with():
+    plan = autopar.plan(MLP((8, 8)), (torch.randn(8, 8),), mesh_shape=(2,), strategy="data_parallel",
                         hardware="cpu-gloo")
-    plan.input_placements = {0: ("S(0)", "R")}
-    assert batch_axes(plan) == {0}
-    plan.input_placements = {0: ("R", "R")}
-    assert batch_axes(plan) == set()
+    plan.input_placements = {0: ("S(0)",)}
+    module = MLP((8, 8))
+    with offline_mesh((2,)) as mesh:
+        for name, param in list(module.named_parameters()):
+            owner, leaf = module.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+            setattr(owner, leaf, torch.nn.Parameter(DTensor.from_local(param.detach(), mesh, (Shard(0),))))
+        assert gathered_parameters(module, plan) == {"layers.0.weight": (Replicate(),), "layers.0.bias": (Replicate(),)}
+        plan.param_compute_placements = {"layers.0.weight": ("S(0)",)}
+        assert gathered_parameters(module, plan) == {"layers.0.bias": (Replicate(),)}
 
 
 def test_the_gradient_of_a_partial_output_is_replicated():

@@ -14,14 +14,12 @@ One spawned job per (world, mesh) runs every case; each case plans, compiles and
 from __future__ import annotations
 
 import functools
-from collections import Counter
 
 import pytest
 import torch
 
 import torch_autopar as autopar
-from torch_autopar import _compat
-from torch_autopar.runtime.comm_count import CollectiveCounter, planned_summary
+from torch_autopar.runtime.comm_count import planned_summary
 from torch_autopar.testing import run_on_ranks
 from tests import support
 
@@ -58,49 +56,19 @@ def _cases(world, mesh):
     return cases
 
 
-def _graph_forward_collectives(pmodel) -> Counter:
-    names = {_compat.group_name(pmodel.mesh.get_group(i)): n for i, n in enumerate(pmodel.mesh.mesh_dim_names)}
-    forward = pmodel.stats["graph_collectives"]["forward"]
-    check = ("all_reduce", "+".join(pmodel.mesh.mesh_dim_names), 16)  # the batch-size check, outside the graph
-    return Counter((kind, names.get(group, group), nbytes) for kind, group, nbytes in forward) + Counter([check])
-
-
-def _step(pmodel, model_name, optimizer, x, y, mode):
-    """One training step; returns (loss, collectives counted). Graph mode: the forward graph's collectives
-    are read from the compiled graph (a dispatch mode cannot run inside torch.compile), backward is counted."""
-    optimizer.zero_grad(set_to_none=True)
-    sharded = pmodel.mesh is not None
-    counter = CollectiveCounter(pmodel.mesh) if sharded else None
-    if mode == "eager" and sharded:
-        with counter:
-            loss = support.loss_fn(model_name, pmodel(x), y)
-            loss.backward()
-        counted = counter.summary()
-    else:
-        loss = support.loss_fn(model_name, pmodel(x), y)
-        if sharded:
-            with counter:
-                loss.backward()
-            counted = counter.summary() + _graph_forward_collectives(pmodel)
-        else:
-            loss.backward()
-            counted = Counter()
-    optimizer.step()
-    return loss.item(), counted
-
-
 def _run_case(rank, world, mesh, model_name, strategy, mode, optimizer_name):
     torch._dynamo.reset()
     model = support.build_model(model_name)
     x, _ = support.global_batch(model_name, 0)
     if strategy == "megatron":
-        strategy = _megatron_plan(model, x, mesh)
+        strategy = support.megatron_plan(model, x, mesh)
     pmodel = autopar.compile(model, x.chunk(world)[rank], strategy=strategy, mesh=mesh, mode=mode)
     optimizer = support.make_optimizer(optimizer_name, pmodel.parameters())
     losses, counts = [], []
     for step in range(support.STEPS):
         x, y = support.global_batch(model_name, step)
-        loss, counted = _step(pmodel, model_name, optimizer, x.chunk(world)[rank], y.chunk(world)[rank], mode)
+        loss, counted = support.counted_step(pmodel, model_name, optimizer, x.chunk(world)[rank], y.chunk(world)[rank],
+                                             mode)
         losses.append(loss)
         counts.append(dict(counted))
     state = pmodel.state_dict()
@@ -109,23 +77,6 @@ def _run_case(rank, world, mesh, model_name, strategy, mode, optimizer_name):
     return {"losses": losses, "params": params, "buffers": buffers, "counted": counts,
             "planned": dict(planned_summary(pmodel.plan)), "sharded": pmodel.mesh is not None,
             "placements": pmodel.plan.param_placements, "chosen": pmodel.plan.search_stats.get("candidate")}
-
-
-def _megatron_plan(model, global_x, mesh):
-    """A hand plan: first linear of each MLP block column-parallel on the last mesh axis (weight and bias
-    S(0)), second row-parallel (weight S(1), bias replicated), everything else replicated; on a 2-D mesh the
-    batch is split over the first axis, on a 1-D mesh every rank computes the whole batch."""
-    plan = autopar.plan(model, (global_x,), mesh_shape=mesh, strategy="data_parallel", hardware="cpu-gloo")
-    column = ("layers.0.", "fc.")
-    row = ("layers.1.weight", "out.weight")
-    lead = ("R",) * (len(mesh) - 1)
-    for name in plan.param_placements:
-        tail = name.split("blocks.")[-1].split(".", 1)[-1] if "blocks." in name else name
-        plan.param_placements[name] = lead + (("S(0)",) if tail.startswith(column) else ("S(1)",) if tail in row
-                                              else ("R",))
-    plan.input_placements = {0: ("S(0)", "R") if len(mesh) == 2 else ("R",)}
-    plan.strategy = "megatron (hand plan)"
-    return plan
 
 
 def _ddp_cnn(rank, world):

@@ -7,8 +7,8 @@ propagated, so the collectives that run are the ones the plan lists). The steps,
   distribute_parameters  requires: the module's parameters equal on every rank or not (rank 0's win)
                          ensures:  each parameter is a DTensor with the plan's placements, whose full value is
                                    rank 0's parameter; buffers are replicated DTensors
-  gathered_parameters    ensures:  parameters sharded over a batch axis are all-gathered for the forward (their
-                                   gradients flow back through the gather: reduce-scattered)
+  gathered_parameters    ensures:  parameters are moved to their compute layout for the forward (fully sharded:
+                                   all-gathered; their gradients flow back through the gather: reduce-scattered)
   inputs_to_global       requires: each rank passes its own slice of the global batch (dim 0)
                          ensures:  DTensors in the plan's input layout (collectives only where that differs)
   outputs_to_local       ensures:  each rank gets the rows of the outputs that match its input slice; the
@@ -25,7 +25,7 @@ import contextlib
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
@@ -64,6 +64,7 @@ def distribute_parameters(module: torch.nn.Module, mesh: DeviceMesh, plan: Plan)
     _compat.allow_implicit_replication()
     _compat.fix_convolution_redistribution()
     _compat.fix_inplace_redistribution()
+    _compat.fix_empty_cat_redistribution()
     _compat.prefer_early_partial_reduction()
     placed: dict[int, torch.nn.Parameter] = {}
     for owner_name, owner in module.named_modules():
@@ -79,29 +80,14 @@ def distribute_parameters(module: torch.nn.Module, mesh: DeviceMesh, plan: Plan)
                 owner.register_buffer(name, distribute_tensor(buffer, mesh, replicated(mesh)), persistent=persistent)
 
 
-def compute_placements(storage: tuple, batch_axes: set[int]) -> tuple:
-    """Where a parameter is used: on the axes the batch is split over, a sharded parameter is gathered first
-    (fully-sharded data parallelism: the batch slices need the whole parameter); elsewhere it computes
-    sharded (tensor parallelism)."""
-    return tuple(Replicate() if axis in batch_axes and p.is_shard() else p for axis, p in enumerate(storage))
-
-
-def batch_axes(plan: Plan) -> set[int]:
-    """Mesh axes over which the plan splits the batch (first input's dim 0)."""
-    first = plan.input_placements.get(0) or next(iter(plan.input_placements.values()), ())
-    return {axis for axis, p in enumerate(parse_placements(first)) if p == Shard(0)}
-
-
 def gathered_parameters(module: torch.nn.Module, plan: Plan) -> dict[str, tuple]:
-    """Parameter name → compute placements, for the parameters that must be gathered before the forward."""
-    axes = batch_axes(plan)
-    gathered = {}
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
-            wanted = compute_placements(tuple(param.placements), axes)
-            if wanted != tuple(param.placements):
-                gathered[name] = wanted
-    return gathered
+    """Parameter name → compute placements, for the parameters eager mode moves before the forward
+    (``strategies.boundary.compute_layouts``: the plan's own, else gathered over the batch axes)."""
+    storage = {name: tuple(p.placements) for name, p in module.named_parameters() if isinstance(p, DTensor)}
+    first = plan.input_placements.get(0) or next(iter(plan.input_placements.values()), ())
+    planned = {name: parse_placements(p) for name, p in plan.param_compute_placements.items()}
+    computed = boundary.compute_layouts(storage, parse_placements(first), planned)
+    return {name: wanted for name, wanted in computed.items() if wanted != storage[name]}
 
 
 def replicate_ops_without_rules(op_names) -> None:
@@ -127,14 +113,16 @@ def global_batch_size(args, kwargs, world_size: int) -> int | None:
     return None if local is None else local * world_size
 
 
-def inputs_to_global(args, kwargs, mesh: DeviceMesh, input_placements: dict):
-    """Each tensor leaf (flat index i) as a DTensor: batch-split on arrival, then in ``input_placements[i]``."""
+def inputs_to_global(args, kwargs, mesh: DeviceMesh, input_placements: dict, full_batch: bool = False):
+    """Each tensor leaf (flat index i) as a DTensor: in its arrival layout (``strategies.boundary``: batch-split,
+    or replicated when every rank passes the whole batch), then in ``input_placements[i]``."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     placed = []
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor):
-            arrival = batch_arrival(mesh) if leaf.ndim >= 1 else replicated(mesh)
-            shape = (leaf.shape[0] * mesh.size(),) + tuple(leaf.shape[1:]) if leaf.ndim >= 1 else leaf.shape
+            arrival = boundary.arrival(leaf, mesh.ndim, full_batch)
+            split = arrival == batch_arrival(mesh) and leaf.ndim >= 1
+            shape = (leaf.shape[0] * mesh.size(),) + tuple(leaf.shape[1:]) if split else leaf.shape
             leaf = DTensor.from_local(leaf, mesh, arrival, run_check=False, shape=torch.Size(shape),
                                       stride=_contiguous_stride(shape))
             wanted = input_placements.get(index)
@@ -166,9 +154,9 @@ class _AverageOverRanks(torch.autograd.Function):
         return grad / ctx.slices, None
 
 
-def leaving(value, mesh: DeviceMesh, global_batch: int | None) -> tuple:
+def leaving(value, mesh: DeviceMesh, global_batch: int | None, full_batch: bool = False) -> tuple:
     """How an output leaves the model (``strategies.boundary``)."""
-    return boundary.leaving(value, mesh.ndim, global_batch)
+    return boundary.leaving(value, mesh.ndim, global_batch, full_batch)
 
 
 @contextlib.contextmanager
@@ -192,15 +180,15 @@ def global_parameters(module: torch.nn.Module):
             tensors[name] = tensor
 
 
-def outputs_to_local(output, mesh: DeviceMesh, global_batch: int | None):
+def outputs_to_local(output, mesh: DeviceMesh, global_batch: int | None, full_batch: bool = False):
     """Each DTensor output as this rank's plain tensor: outputs with the batch as dim 0 give the rows matching
     this rank's input slice (their gradient averaged over ranks); other outputs (a loss computed inside the
-    model) are replicated, the same value on every rank."""
+    model), and every output when each rank passed the whole batch, are replicated: the same on every rank."""
 
     def to_local(leaf):
         if not isinstance(leaf, DTensor):
             return leaf
-        layout = leaving(leaf, mesh, global_batch)
+        layout = leaving(leaf, mesh, global_batch, full_batch)
         local = leaf.redistribute(mesh, layout).to_local(grad_placements=layout)
         if layout == batch_arrival(mesh) and local.requires_grad:
             return _AverageOverRanks.apply(local, mesh.size())

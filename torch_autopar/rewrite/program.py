@@ -3,15 +3,16 @@
 From the joint forward+backward graph (captured on global fake shapes, as the planner captured it) and each
 node's ``NodeLayout``, ``trace_program`` traces a program on this rank's local shards:
   - each tensor enters in the layout it arrives in (parameters in their storage layout, buffers replicated, the
-    batch split over every rank, the gradient of an output in the layout that output leaves in) and is moved to
-    the layout the plan gives its placeholder;
+    batch split over every rank or, with ``plan.full_batch``, replicated; the gradient of an output in the
+    layout that output leaves in) and is moved to the layout the plan gives its placeholder;
   - on every edge whose producer's layout differs from the one the consumer's strategy needs, the move runs as
     DTensor's redistribution planner orders it, which emits ``_c10d_functional`` collectives on the process
     group of each mesh axis; a value moved to one layout is moved once, whatever number of consumers need it;
   - each op runs on local tensors with local shapes; an output that leaves the op in another layout than the
     plan's is moved to the plan's and reported (``unplanned``);
-  - outputs with the batch as dim 0 leave as this rank's rows, others replicated (``placement.leaving``); each
-    gradient leaves in its parameter's layout as soon as it is computed (its collective issued there).
+  - outputs with the batch as dim 0 leave as this rank's rows, others (and all of a full batch's) replicated
+    (``placement.leaving``); each gradient leaves in its parameter's layout as soon as it is computed (its
+    collective issued there).
 DTensor is used while tracing only: the traced program holds plain aten ops and functional collectives, so
 nothing at run time can miss a sharding rule. AOTAutograd then partitions it into forward and backward graphs
 for the backend's compilers. Must never choose a layout (the plan does) and never communicate while tracing.
@@ -27,13 +28,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from torch_autopar import _compat
 from torch_autopar.capture.program import _CapturableOutputs, fake_global_inputs
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import placement
 from torch_autopar.search.plan import Plan
+from torch_autopar.strategies import boundary
 from torch_autopar.strategies.placements import format_placements, parse_placements
 
 pytree = _compat.pytree()  # torch.utils._pytree: no public equivalent in torch 2.13
@@ -58,12 +60,6 @@ class ProgramReport:
 
 def _placeable(value) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
-
-
-def _without_partial(placements: tuple) -> tuple:
-    """DTensor moves a value into a partial layout only inside an op; a move the program makes stops at
-    replicated and the op's own dispatch finishes it."""
-    return tuple(Replicate() if p.is_partial() else p for p in placements)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +139,7 @@ class _Rewriter(fx.Interpreter):
         """``value`` (produced by ``producer``) in layout ``wanted``, moved once per (producer, layout)."""
         if not isinstance(value, DTensor) or wanted is None or tuple(value.placements) == tuple(wanted):
             return value
-        target = _without_partial(wanted)
+        target = boundary.move_target(tuple(value.placements), tuple(wanted))
         if tuple(value.placements) == target:
             return value
         key = (producer, target)
@@ -174,7 +170,7 @@ class _Rewriter(fx.Interpreter):
             return value.redistribute(self.mesh, target)  # a local slice of a replicated value: no traffic
         self.report.unplanned.append(UnplannedMove(node=node.name, source=format_placements(value.placements),
                                                    target=tuple(wanted)))
-        return value.redistribute(self.mesh, _without_partial(target))
+        return value.redistribute(self.mesh, boundary.move_target(tuple(value.placements), target))
 
     def _replicated(self, value):
         if _placeable(value):
@@ -208,7 +204,7 @@ def _arrivals(graph_module: fx.GraphModule, plan: Plan, mesh: DeviceMesh, leavin
         if kind == "param":
             arrival[node] = parse_placements(plan.param_placements[desc.target])
         elif kind == "input":
-            arrival[node] = placement.batch_arrival(mesh) if value.ndim >= 1 else placement.replicated(mesh)
+            arrival[node] = boundary.arrival(value, mesh.ndim, plan.full_batch)
         elif kind == "tangent":
             arrival[node] = leaving_of_output[_compat.tangent_output_index(desc)]
         else:  # buffers, constants
@@ -224,7 +220,7 @@ def _leaving(graph_module: fx.GraphModule, plan: Plan, mesh: DeviceMesh, global_
     for position, (producer, desc) in enumerate(zip(output.args[0], output.meta["desc"])):
         value = producer.meta.get("val") if isinstance(producer, fx.Node) else None
         if (index := _compat.output_index(desc)) is not None and isinstance(value, torch.Tensor):
-            by_position[position] = by_index[index] = placement.leaving(value, mesh, global_batch)
+            by_position[position] = by_index[index] = placement.leaving(value, mesh, global_batch, plan.full_batch)
         elif (name := _compat.grad_target(desc)) is not None and name in plan.param_placements:
             grads[producer] = parse_placements(plan.param_placements[name])
     return by_position, by_index, grads
@@ -279,7 +275,7 @@ class ShardedProgram:
 
     def __init__(self, module: torch.nn.Module, plan: Plan, mesh: DeviceMesh, args: tuple, kwargs: dict, *,
                  compilers: tuple, call=None):
-        fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, mesh.size())
+        fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, 1 if plan.full_batch else mesh.size())
         with contextlib.ExitStack() as stack:  # the capture's tracing context, until compiled
             with placement.global_parameters(module):
                 joint = _compat.joint_with_descriptors(stack, _CapturableOutputs(module, call), fake_args, fake_kwargs,

@@ -11,6 +11,7 @@ each call casts inputs, parameters and outputs as ``runtime.precision`` says; th
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,20 @@ def broadcast_module_state(module: torch.nn.Module, group, src: int = 0) -> None
                 offset += tensor.numel()
 
 
+class _RestorePoint:
+    """The random-number state and the buffers of a module, to undo what a failed call changed."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.rng = torch.get_rng_state()
+        self.buffers = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.rng)
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+
+
 class ParallelModule(torch.nn.Module):
     """A module executed per ``plan`` on the ranks of ``group`` (None: all ranks)."""
 
@@ -72,6 +87,7 @@ class ParallelModule(torch.nn.Module):
         self._sync = True
         self._input_check: checks.InputCheck | None = None
         self._param_ids: dict[str, int] = {}
+        self._boundaries_tried = False
         if plan is not None:
             self._set_up(plan)
 
@@ -156,21 +172,48 @@ class ParallelModule(torch.nn.Module):
         split = self._distributed or self._sharded is not None
         mode = self.mode or get_mode()
         self._check_call(args, kwargs, split, mode)
-        if self.full_batch and split:
+        if self.full_batch and self._distributed:  # a sharded plan takes the whole batch (plan.full_batch)
             args, kwargs = self._local_slice(args, kwargs)
         args, kwargs = cast_inputs(self.mixed_precision, args, kwargs)
         if self._distributed and self.broadcast_buffers:
             self._broadcast_buffers()
         if self._sharded is not None:
             try:
-                output = self._sharded.run(args, kwargs, mode, self.stats)
+                output = self._run_sharded(args, kwargs, mode)
             except _compat.DynamoUnsupported() as error:
                 raise self._graph_error(error) from error
         else:
             output = self._run_graph(args, kwargs) if mode == "graph" else self._run_eager(args, kwargs)
         output = cast_outputs(self.mixed_precision, output)
-        if self.full_batch and split:
+        if self.full_batch and self._distributed:
             output = pytree.tree_map(self._gather_batch, output)
+        return output
+
+    def _run_sharded(self, args, kwargs, mode: str):
+        """A sharded plan's call. The first eager call with submodules held to the plan's layouts is a trial:
+        where DTensor cannot run those layouts (an error inside the forward), the call's effects on random state
+        and buffers are undone, the plan is replaced by its execution as DTensor places every op (priced, with a
+        warning), and the call runs again that way."""
+        sharded = self._sharded
+        if mode == "graph" or not sharded.boundaries.paths or self._planner is None or self._boundaries_tried:
+            return sharded.run(args, kwargs, mode, self.stats)
+        restore_point = _RestorePoint(self.module)
+        try:
+            output = sharded.run(args, kwargs, mode, self.stats)
+        except (RuntimeError, IndexError, NotImplementedError, ValueError) as error:
+            if collective_failure(error, self._step(), "forward") is not None:
+                raise
+            restore_point.restore()
+            plan = self._planner.without_module_boundaries(self.module, args, kwargs, self.plan)
+            sharded.drop_module_boundaries(plan)
+            self.plan = plan
+            warnings.warn(
+                f"torch_autopar: eager mode could not run {type(self.module).__name__} with its submodules held to the "
+                f"plan's layouts (DTensor: {type(error).__name__}: {str(error).splitlines()[0][:200]}); it runs as "
+                f"DTensor places each op instead, estimated {plan.estimated_step_time * 1e3:.3f} ms per step "
+                "(pmodel.plan). Graph mode (compile(..., mode='graph')) runs the plan's own layouts.", stacklevel=4)
+            output = sharded.run(args, kwargs, mode, self.stats)
+        self._boundaries_tried = True
         return output
 
     def _check_call(self, args, kwargs, split: bool, mode: str) -> None:

@@ -1,10 +1,12 @@
 """Run a sharded plan (tensor-, fully-sharded or hybrid) on this rank, in eager or graph mode.
 
-Eager: the user's ``forward`` runs op by op on DTensor parameters (prints and breakpoints work; a print shows
-a DTensor). Graph: the same function through ``torch.compile`` with the "autopar" backend; DTensor's ops are
-lowered to local aten ops and functional collectives in the captured graphs. Both run the same per-op rules,
-so they compute the same numbers. Must never plan, and never leave a parameter out of the optimizer: a
-parameter replaced by its sharded version is swapped in any optimizer that still holds the original.
+Eager: the user's ``forward`` runs op by op on DTensor parameters; hooks move each submodule's inputs and
+outputs to the plan's layouts (``rewrite.module_hooks``) and DTensor places the ops between them (prints and
+breakpoints work; a print shows a DTensor). Graph: the plan's per-rank program (``rewrite.program``: every
+node in its planned layout, explicit collectives), compiled; ``AUTOPAR_SHARDED_GRAPH=dtensor`` instead runs
+the eager function through ``torch.compile``. Both compute the one-process numbers. Must never plan, and
+never leave a parameter out of the optimizer: a parameter replaced by its sharded version is swapped in any
+optimizer that still holds the original.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch_autopar.capture.program import without_opaque_outputs
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import placement
+from torch_autopar.rewrite.module_hooks import ModuleBoundaries
 from torch_autopar.rewrite.program import ShardedProgram
 from torch_autopar.runtime.backend import compile_own, sharded_backend, sharded_compilers
 from torch_autopar.runtime.precision import CastCall, MixedPrecision, compute_parameters
@@ -71,6 +74,7 @@ class ShardedRunner:
         placement.distribute_parameters(module, self.mesh, plan)
         _remember_replacements(before, module)
         self.gradients = placement.GradientPlacement(module)
+        self.boundaries = ModuleBoundaries(module, plan)
         self.gathered = placement.gathered_parameters(module, plan)
         self._params = dict(module.named_parameters())
         self._compiled = None
@@ -80,20 +84,30 @@ class ShardedRunner:
     def world_size(self) -> int:
         return self.mesh.size()
 
+    def drop_module_boundaries(self, plan: Plan) -> None:
+        """Run eager mode as DTensor places every op, ``plan`` being that execution (priced), instead of holding
+        the submodules to the plan's layouts."""
+        self.boundaries.remove()
+        self.plan = plan
+        self.gathered = placement.gathered_parameters(self.module, plan)
+
     def forward(self, *args, **kwargs):
         """One call on this rank's slice: global DTensor inputs → the user's forward → this rank's outputs."""
-        batch = placement.global_batch_size(args, kwargs, self.world_size)
-        global_args, global_kwargs = placement.inputs_to_global(args, kwargs, self.mesh, self.plan.input_placements)
+        full = self.plan.full_batch
+        batch = placement.global_batch_size(args, kwargs, 1 if full else self.world_size)
+        global_args, global_kwargs = placement.inputs_to_global(args, kwargs, self.mesh, self.plan.input_placements,
+                                                                full)
         # the whole parameters for this forward, gathered once (the module's own stay sharded), cast if mixed
         whole = compute_parameters(self._params, self.gathered, self.mixed_precision)
         if whole:
             output = torch.func.functional_call(self.module, whole, global_args, global_kwargs, strict=False)
         else:
             output = self.module(*global_args, **global_kwargs)
-        return placement.outputs_to_local(output, self.mesh, batch)
+        return placement.outputs_to_local(output, self.mesh, batch, full)
 
     def run(self, args, kwargs, mode: str, stats: dict):
-        self.check_batch_sizes(args, kwargs)
+        if not self.plan.full_batch:  # full batches are checked to be equal by the caller
+            self.check_batch_sizes(args, kwargs)
         if mode != "graph":
             return self.forward(*args, **kwargs)
         if os.environ.get("AUTOPAR_SHARDED_GRAPH", "program") == "program":

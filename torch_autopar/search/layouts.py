@@ -1,5 +1,5 @@
-"""Every node's layout, from a placement of the captured program (``Sharding``) to the plan (``NodeLayout``),
-and the moves graph mode's program adds at its boundary.
+"""Every node's layout, from a placement of the captured program (``Sharding``) to the plan (``NodeLayout``)
+and back, and the moves graph mode's program adds at its boundary.
 
 A node's output layout is its spec's placements; each input's layout is the target of the redistribution the
 placement records on that edge, else the producer's own layout (nothing moves). Must never choose a layout.
@@ -11,8 +11,9 @@ import torch
 
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.program import tensor_nbytes
-from torch_autopar.search.plan import NodeLayout
-from torch_autopar.strategies import Redistribution, Sharding, boundary, format_placements
+from torch_autopar.search.plan import NodeLayout, is_one_tensor_layout
+from torch_autopar.strategies import Redistribution, Sharding, boundary, format_placements, parse_placements
+from torch_autopar.strategies.propagate import follow_layouts
 
 
 def _placements(spec):
@@ -40,6 +41,19 @@ def node_layouts(program: CapturedProgram, sharding: Sharding) -> dict[str, Node
     return layouts
 
 
+def sharding_from_layouts(program: CapturedProgram, layouts: dict[str, NodeLayout], mesh,
+                          full_batch: bool = False) -> Sharding:
+    """What graph mode's program does with ``layouts`` (hand edits included: ``strategies.follow_layouts``),
+    with each user input's move from the layout it arrives in."""
+    sharding = follow_layouts(program, mesh, layouts)
+    for node in program.input_nodes.values():
+        layout, value = layouts.get(node.name), node.meta.get("val")
+        if layout is not None and isinstance(value, torch.Tensor) and is_one_tensor_layout(layout.output):
+            move = _move(node, boundary.arrival(value, mesh.ndim, full_batch), parse_placements(layout.output), False)
+            sharding.redistributions += [move] if move is not None else []
+    return sharding
+
+
 def _move(node, source, target, backward: bool) -> Redistribution | None:
     if tuple(source) == tuple(target):
         return None
@@ -47,7 +61,8 @@ def _move(node, source, target, backward: bool) -> Redistribution | None:
                           global_nbytes=tensor_nbytes(node.meta["val"]), backward=backward)
 
 
-def with_program_boundary(program: CapturedProgram, sharding: Sharding, ndim: int, global_batch: int | None) -> Sharding:
+def with_program_boundary(program: CapturedProgram, sharding: Sharding, ndim: int, global_batch: int | None,
+                          full_batch: bool = False) -> Sharding:
     """``sharding`` plus the moves graph mode's per-rank program makes at its boundary (``strategies.boundary``):
     each output from its layout to the one it leaves in, its gradient from that layout to the tangent's, new
     buffer values (running statistics) replicated. Replaces the search's direct output → tangent edge."""
@@ -56,11 +71,12 @@ def with_program_boundary(program: CapturedProgram, sharding: Sharding, ndim: in
     for index, output in program.output_nodes.items():
         spec = sharding.specs.get(output)
         if isinstance(output.meta.get("val"), torch.Tensor) and hasattr(spec, "placements"):
-            moves.append(_move(output, spec.placements, boundary.leaving(output.meta["val"], ndim, global_batch), False))
+            leaving = boundary.leaving(output.meta["val"], ndim, global_batch, full_batch)
+            moves.append(_move(output, spec.placements, leaving, False))
     for tangent, index in program.tangent_nodes.items():
         output, spec = program.output_nodes.get(index), sharding.specs.get(tangent)
         if output is not None and hasattr(spec, "placements"):
-            moves.append(_move(tangent, boundary.leaving(output.meta["val"], ndim, global_batch), spec.placements,
+            moves.append(_move(tangent, boundary.leaving(output.meta["val"], ndim, global_batch, full_batch), spec.placements,
                                True))
     for update in program.buffer_updates.values():
         spec = sharding.specs.get(update)

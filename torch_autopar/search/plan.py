@@ -74,6 +74,22 @@ class NodeLayout:
     inputs: tuple
 
 
+def is_one_tensor_layout(layout) -> bool:
+    """Whether a NodeLayout entry is one tensor's placements (not None, nor a multi-output node's tuple)."""
+    return isinstance(layout, tuple) and all(isinstance(p, str) for p in layout)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModuleLayout:
+    """The boundary of one submodule (called once per forward) in eager mode: each entry is (node name, global
+    shape, placements). ``inputs``: the tensors it receives from outside (parameters aside), in order of first
+    use, and the layout its first op wants each in; ``outputs``: its values used after it returns, in graph
+    order, and the layout the plan gives each."""
+
+    inputs: tuple
+    outputs: tuple
+
+
 @dataclass(kw_only=True)
 class Plan:
     strategy: str
@@ -112,6 +128,16 @@ class Plan:
     node_layouts: dict[str, NodeLayout] = field(default_factory=dict)
     """Every node of the captured joint graph (by name) → its layout: what graph mode's per-rank program runs
     (empty for a plan made from the parameter list alone)."""
+    full_batch: bool = False
+    """Every rank passes the whole batch (``compile(full_batch=True)``): inputs arrive and outputs leave
+    replicated (``strategies.boundary``); otherwise each rank passes its slice."""
+    param_compute_placements: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Parameter → the layout eager mode computes with (its first op's input layout in the plan; gathered
+    where the storage layout is sharded over the batch); empty: the fully-sharded rule
+    (``strategies.boundary.compute_layouts``)."""
+    module_layouts: dict[str, ModuleLayout] = field(default_factory=dict)
+    """Submodule path ("blocks.0.attn") → the layouts its inputs enter and its outputs leave in: what eager
+    mode's hooks redistribute to (empty where eager mode runs DTensor's own choices)."""
 
     def stage_of(self, layer: str) -> int:
         """The pipeline stage that runs module ``layer`` (0 when not pipelined)."""
@@ -199,6 +225,9 @@ class Plan:
         data["stages"] = [StageRow(**row) for row in data.get("stages", [])]  # files before pipelining have none
         data["node_layouts"] = {name: NodeLayout(output=_tuples(layout["output"]), inputs=_tuples(layout["inputs"]))
                                 for name, layout in data.get("node_layouts", {}).items()}
+        data["param_compute_placements"] = {k: tuple(v) for k, v in data.get("param_compute_placements", {}).items()}
+        data["module_layouts"] = {path: ModuleLayout(inputs=_tuples(layout["inputs"]), outputs=_tuples(layout["outputs"]))
+                                  for path, layout in data.get("module_layouts", {}).items()}
         return Plan(**data)
 
     def explain(self) -> str:

@@ -16,7 +16,7 @@ import time
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial
 
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.fold import Folding
@@ -26,13 +26,14 @@ from torch_autopar.cost import CostModel, HardwareProfile
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
-from torch_autopar.search.layouts import node_layouts, with_program_boundary
+from torch_autopar.search import module_layouts as modules
+from torch_autopar.search.layouts import node_layouts, sharding_from_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
-from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective
+from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective, is_one_tensor_layout
 from torch_autopar.search.problem import build_problem
 from torch_autopar.search.role_seeds import role_seeds
 from torch_autopar.search.solution import to_sharding
-from torch_autopar.strategies import Redistribution, Sharding, format_placements, parse_placements, propagate, seed_placements
+from torch_autopar.strategies import Redistribution, Sharding, boundary, format_placements, parse_placements, propagate, seed_placements
 from torch_autopar.strategies.enumerate import enumerate_strategies
 from torch_autopar.strategies.placements import spec_for
 from torch_autopar.strategies.propagate import tangent_placements
@@ -45,6 +46,8 @@ ALL_AXES_SEPARATOR = "+"
 """A collective over every rank is on axis "dp+tp" (the axis names joined)."""
 BATCH_CHECK_BYTES = 16
 """The sharded runtime's per-step check that all ranks pass equal batch slices (two float64)."""
+FULL_BATCH_CHECK_BYTES = 32
+"""Per input tensor, the check that all ranks pass the same full batch (two checksums and their negatives)."""
 MAX_EXACT_EDGE_VARIABLES = 400_000
 """Above this many edge variables the exact solve is replaced by the fast propagation mode."""
 
@@ -145,8 +148,10 @@ class Planner:
                  memory_budget: int | None = None, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
                  global_batch: int | None = None, solver: str = "auto", time_limit_s: float = 60.0,
                  folding=None, mode: str = "eager", param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, full_batch: bool = False):
         self.program, self.mesh, self.axis_names = program, mesh, tuple(axis_names)
+        self.full_batch = full_batch
+        """Every rank passes the whole batch: inputs arrive and outputs leave replicated (``strategies.boundary``)."""
         self.cost = CostModel(hardware, tuple(mesh.shape), mesh)
         self.budget = memory_budget if memory_budget is not None else hardware.memory_bytes
         self.bucket_cap_bytes, self.global_batch = bucket_cap_bytes, global_batch
@@ -205,7 +210,7 @@ class Planner:
         started = time.perf_counter()
         space = enumerate_strategies(self.program, self.mesh, restriction)
         generated = time.perf_counter()
-        arrival = lambda node: tuple(Shard(0) for _ in range(self.mesh.ndim))  # noqa: E731
+        arrival = lambda node: boundary.arrival(node.meta["val"], self.mesh.ndim, self.full_batch)  # noqa: E731
         problem = build_problem(self.program, space, self.cost, arrival, self.budget, self.weights)
         built = time.perf_counter()
         _, edge_vars = problem.size()
@@ -292,7 +297,7 @@ class Planner:
         program, fold = self.program, self.folding
         graph_program = as_searched and self.mode == "graph" and not local_compute and self.mesh.size() > 1
         if graph_program:
-            sharding = with_program_boundary(program, sharding, self.mesh.ndim, self.global_batch)
+            sharding = with_program_boundary(program, sharding, self.mesh.ndim, self.global_batch, self.full_batch)
             bucket_cap_bytes = 0
         ready = fold.real_order(program.grad_ready_order())
         infos = self._real_params(program.params)
@@ -317,6 +322,7 @@ class Planner:
             estimate.collectives.append(self._batch_check())
         est.add_exposed_comm(estimate)
         est.add_memory(estimate, program, sharding, self.cost)
+        layouts = node_layouts(program, sharding)
         inputs = {i: format_placements(sharding.specs[n].placements) for i, n in program.input_nodes.items()
                   if hasattr(sharding.specs.get(n), "placements")}
         return Plan(
@@ -329,41 +335,68 @@ class Planner:
             exposed_comm_time=estimate.exposed_comm, estimated_step_time=estimate.step_time,
             peak_memory=estimate.peak_memory, memory_breakdown=estimate.memory,
             search_stats={"seed": strategy, "folded_layers": dict(fold.lengths)},
-            node_layouts=node_layouts(program, sharding),
+            node_layouts=layouts, module_layouts={} if local_compute else modules.module_layouts(program, layouts),
+            param_compute_placements={} if local_compute else self._real_params(modules.compute_layouts(program, layouts)),
+            full_batch=self.full_batch,
         )
 
     # what runs ---------------------------------------------------------------------------------------------------
     def executed(self, plan: Plan) -> Plan:
-        """``plan`` as the sharded runtime executes it: the parameters and inputs placed as ``plan`` says and
-        every other node as DTensor's rules place it at run time (the propagation), plus the layout changes of
-        the runtime itself: the batch arrives split over all ranks, batch outputs leave the same way (their
-        gradients come back so), other outputs leave replicated, and each gradient is moved into its parameter's
-        layout on its own. Data-parallel plans run as planned (bucketed all-reduces) and are returned as is, and so
-        is, in graph mode, a plan with every node's layout: the per-rank program runs exactly those."""
-        if plan.is_data_parallel() or self.mesh.size() == 1 or self.mode == "graph" and self._runs_as_laid_out(plan):
+        """``plan`` as the sharded runtime executes it, priced from what runs. Data-parallel plans run as planned
+        (bucketed all-reduces) and are returned as they are. In graph mode the per-rank program runs the plan's
+        node layouts (``_relaid``). In eager mode DTensor places each op from its inputs' layouts, the plan's
+        parameters and inputs, with each submodule's inputs and outputs moved to the plan's module layouts by
+        the runtime's hooks (``_dtensor_placed``)."""
+        if plan.is_data_parallel() or self.mesh.size() == 1:
             return plan
-        arrival, replicate = tuple(Shard(0) for _ in range(self.mesh.ndim)), tuple(Replicate() for _ in range(self.mesh.ndim))
+        laid_out = self._runs_as_laid_out(plan)
+        if self.mode == "graph" and laid_out:
+            return self._relaid(plan)
+        return self._dtensor_placed(plan, laid_out)
+
+    def _relaid(self, plan: Plan) -> Plan:
+        """The plan priced again from its own node layouts (what graph mode's program runs): equal to ``plan``
+        as searched, and the true price of a plan whose layouts were edited by hand."""
+        params = {name: parse_placements(plan.param_placements[name]) for name in self.program.param_nodes}
+        sharding = sharding_from_layouts(self.program, plan.node_layouts, self.mesh, self.full_batch)
+        result = self._plan(plan.strategy, sharding, params)
+        result.search_stats = dict(plan.search_stats)
+        result.notes = list(plan.notes)
+        if result.collectives != plan.collectives:
+            result.notes.append(f"priced from its node layouts: {len(result.collectives)} collectives, "
+                                f"{result.estimated_step_time * 1e3:.3f} ms per step (as given: {len(plan.collectives)}, "
+                                f"{plan.estimated_step_time * 1e3:.3f} ms)")
+        return result
+
+    def _dtensor_placed(self, plan: Plan, laid_out: bool) -> Plan:
+        """Eager execution: the propagation of DTensor's rules from the plan's parameter and input placements
+        (with a plan laid out for this program: each parameter moved to the layout its first op wants, and each
+        submodule's inputs and outputs to the plan's layouts, as the runtime's hooks move them), plus the layout
+        changes of the runtime itself: the batch arrives split over all ranks, batch outputs leave the same way
+        (their gradients come back so), other outputs leave replicated, and each gradient is moved into its
+        parameter's layout."""
+        boundaries = modules.module_layouts(self.program, plan.node_layouts) if laid_out else {}
+        arrival, replicate = boundary.batch_arrival(self.mesh.ndim), boundary.replicated(self.mesh.ndim)
         program = self.program
         params = {name: parse_placements(plan.param_placements[name]) for name in program.param_nodes}
         first_input = parse_placements(plan.input_placements.get(0) or next(iter(plan.input_placements.values()), ()))
-        batch_axes = {axis for axis, p in enumerate(first_input) if p == Shard(0)}
-        computed = {name: tuple(Replicate() if axis in batch_axes and p.is_shard() else p for axis, p in enumerate(pl))
-                    for name, pl in params.items()}  # as rewrite.placement.compute_placements: FSDP gathers
+        planned = {name: parse_placements(p) for name, p in modules.compute_layouts(program, plan.node_layouts).items()
+                   } if laid_out else {}
+        computed = boundary.compute_layouts(params, first_input, planned)
         seeds = {program.param_nodes[name]: placements for name, placements in computed.items()}
         for index, node in program.input_nodes.items():
-            batch = node.meta["val"].ndim >= 1
             wanted = plan.input_placements.get(index)
-            seeds[node] = parse_placements(wanted) if wanted else (arrival if batch else replicate)
-        sharding = propagate(program, self.mesh, seeds)
+            seeds[node] = parse_placements(wanted) if wanted else self._arrival(node)
+        sharding = propagate(program, self.mesh, seeds, modules.pins(program, boundaries))
         for name, node in program.param_nodes.items():  # the gathers of the forward, once per step
             self._note_move(sharding, node, params[name], computed[name], False, self.param_dtype)
         for node in program.input_nodes.values():
-            self._note_move(sharding, node, arrival if node.meta["val"].ndim >= 1 else replicate, seeds[node], False)
+            self._note_move(sharding, node, self._arrival(node), seeds[node], False)
         for output in program.output_nodes.values():
-            value, spec = output.meta.get("val"), sharding.specs.get(output)
+            value, spec = output.meta.get("val"), sharding.returned.get(output, sharding.specs.get(output))
             if not isinstance(value, torch.Tensor) or spec is None:
                 continue
-            leaving = arrival if value.ndim >= 1 and value.shape[0] == self.global_batch else replicate
+            leaving = boundary.leaving(value, self.mesh.ndim, self.global_batch, self.full_batch)
             self._note_move(sharding, output, spec.placements, leaving, False)
             if leaving == arrival:
                 self._note_move(sharding, output, leaving, tangent_placements(spec.placements), True)
@@ -375,11 +408,20 @@ class Planner:
         self._storage_memory(result, params, computed)
         self._dispatch_overhead(result)
         result.collectives.append(self._batch_check())
-        result.search_stats = {**plan.search_stats, "executed_as": "DTensor propagation of the plan's placements",
-                               "planned_step_time": plan.estimated_step_time}
+        result.module_layouts = dict(boundaries)
+        result.param_compute_placements = {name: format_placements(p) for name, p in computed.items()}
+        off_plan = _off_plan_ops(program, plan.node_layouts, result.node_layouts) if boundaries else []
+        result.search_stats = {**plan.search_stats, "planned_step_time": plan.estimated_step_time,
+                               "executed_as": "DTensor propagation of the plan's placements"
+                               + (" between its module boundaries" if boundaries else ""), "off_plan_ops": off_plan}
         result.notes = plan.notes + [
-            f"executed as DTensor places each op: estimated {result.estimated_step_time * 1e3:.3f} ms per step "
-            f"(the search's own layout: {plan.estimated_step_time * 1e3:.3f} ms)"]
+            "executed as DTensor places each op"
+            + (f" between the plan's {len(boundaries)} module boundaries" if boundaries else "")
+            + f": estimated {result.estimated_step_time * 1e3:.3f} ms per step (the search's own layout: "
+            f"{plan.estimated_step_time * 1e3:.3f} ms)"]
+        if off_plan:
+            result.notes.append(f"eager mode: {len(off_plan)} ops run in another layout than planned (priced as they "
+                                "run): " + ", ".join(off_plan[:8]) + (", ..." if len(off_plan) > 8 else ""))
         return result
 
     def _runs_as_laid_out(self, plan: Plan) -> bool:
@@ -392,10 +434,17 @@ class Planner:
         return all(layouts.get(node.name) is not None and layouts[node.name].output == tuple(plan.param_placements[name])
                    for name, node in self.program.param_nodes.items())
 
+    def _arrival(self, node) -> tuple:
+        return boundary.arrival(node.meta["val"], self.mesh.ndim, self.full_batch)
+
     def _batch_check(self) -> PlannedCollective:
-        return PlannedCollective(
-            kind="all_reduce", axis=ALL_AXES_SEPARATOR.join(self.axis_names), nbytes=BATCH_CHECK_BYTES,
-            phase="forward", where="batch size check", seconds=self.cost.collective_time("all_reduce", 0, 16))
+        """The sharded runtime's per-step input check: equal batch slices (16 bytes), or with full batches the
+        same batch on every rank (``runtime.checks.check_same_full_batch``: 32 bytes per input tensor)."""
+        tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in self.program.input_nodes.values())
+        nbytes, where = (FULL_BATCH_CHECK_BYTES * tensors, "full batch check") if self.full_batch else (
+            BATCH_CHECK_BYTES, "batch size check")
+        return PlannedCollective(kind="all_reduce", axis=ALL_AXES_SEPARATOR.join(self.axis_names), nbytes=nbytes,
+                                 phase="forward", where=where, seconds=self.cost.collective_time("all_reduce", 0, nbytes))
 
     def _dispatch_overhead(self, plan: Plan) -> None:
         """Eager sharded execution: every op of forward and backward goes through DTensor's dispatch."""
@@ -493,15 +542,27 @@ class Planner:
         return min(fitting, key=lambda plan: plan.estimated_step_time)
 
 
+def _off_plan_ops(program: CapturedProgram, planned: dict, ran: dict) -> list[str]:
+    """Ops whose output layout as executed differs from the plan's ("addmm_1: S(0) instead of S(1)")."""
+    off = []
+    for node in program.graph.graph.nodes:
+        plan_layout, ran_layout = planned.get(node.name), ran.get(node.name)
+        if node.op == "call_function" and plan_layout is not None and ran_layout is not None \
+                and is_one_tensor_layout(plan_layout.output) and plan_layout.output != ran_layout.output:
+            off.append(f"{node.name}: {','.join(ran_layout.output)} instead of {','.join(plan_layout.output)}")
+    return off
+
+
 def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strategy: str = "auto",
                hardware: HardwareProfile, memory_budget: int | None = None,
                bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, global_batch: int | None = None,
                executable: bool = False, solver: str = "auto", folding=None, mode: str = "eager",
-               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> Plan:
+               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+               full_batch: bool = False) -> Plan:
     """The best plan for ``program`` on ``mesh`` among the candidates ``strategy`` allows."""
     planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
                       bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver, folding=folding,
-                      mode=mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+                      mode=mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype, full_batch=full_batch)
     plan = planner.plan(strategy, executable=executable)
     if param_dtype is not None:
         plan.notes.append(f"mixed precision: compute and activations in {param_dtype}, gradient reductions in "

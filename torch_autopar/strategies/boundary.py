@@ -4,6 +4,12 @@ them and the runtime that runs them.
   batch_arrival  rank r passes the r-th slice of dim 0 of every batch tensor (rank-major over every mesh axis)
   leaving        an output with the batch as dim 0 leaves as this rank's rows (as the batch arrived); any
                  other output (a loss computed inside the model) leaves replicated, the same on every rank
+  full_batch     (``compile(full_batch=True)``, as parallelize_module users call a model) every rank passes
+                 the whole batch: inputs arrive replicated and every output leaves replicated
+  compute_layouts  eager mode computes with each parameter in the layout the plan's first op wants it in; a
+                 plan without that gathers parameters over the axes the batch is split on (fully sharded)
+  move_target    a value moved outside an op (at a program or module boundary) goes to the layout wanted,
+                 except that it never becomes a partial sum it was not already
 Must never depend on a device mesh object (plans are made offline for meshes that do not exist).
 """
 
@@ -20,12 +26,35 @@ def replicated(ndim: int) -> tuple:
     return tuple(Replicate() for _ in range(ndim))
 
 
-def arrival(value, ndim: int) -> tuple:
-    """How a user input arrives: batch-split when it has a dim, else replicated (a scalar)."""
-    return batch_arrival(ndim) if value.ndim >= 1 else replicated(ndim)
+def arrival(value, ndim: int, full_batch: bool = False) -> tuple:
+    """How a user input arrives: batch-split when it has a dim, else replicated (a scalar); replicated when
+    every rank passes the whole batch."""
+    return batch_arrival(ndim) if value.ndim >= 1 and not full_batch else replicated(ndim)
 
 
-def leaving(value, ndim: int, global_batch: int | None) -> tuple:
-    if global_batch is not None and value.ndim >= 1 and value.shape[0] == global_batch:
+def leaving(value, ndim: int, global_batch: int | None, full_batch: bool = False) -> tuple:
+    if not full_batch and global_batch is not None and value.ndim >= 1 and value.shape[0] == global_batch:
         return batch_arrival(ndim)
     return replicated(ndim)
+
+
+def move_target(current: tuple, wanted: tuple) -> tuple:
+    """The layout a value in ``current`` is moved to when ``wanted`` is asked for outside an op: ``wanted``,
+    with each partial axis replicated unless the value is already that partial sum there (DTensor creates
+    partial values only inside an op; the next op's dispatch reduces where it must)."""
+    return tuple(w if not w.is_partial() or c == w else Replicate() for c, w in zip(current, wanted))
+
+
+def batch_axes(first_input: tuple) -> set[int]:
+    """Mesh axes over which a plan splits the batch: those its first input is ``Shard(0)`` on."""
+    return {axis for axis, p in enumerate(first_input) if p == Shard(0)}
+
+
+def compute_layouts(storage: dict, first_input: tuple, planned: dict) -> dict:
+    """Parameter name → the layout eager mode computes with: ``planned[name]`` (the plan's own: the input layout
+    of the parameter's first op) where given, else ``storage[name]`` gathered over the batch axes (fully-sharded
+    data parallelism: each batch slice needs the whole parameter). Placements are DTensor objects."""
+    axes = batch_axes(first_input)
+    return {name: planned.get(name) or tuple(Replicate() if axis in axes and p.is_shard() else p
+                                             for axis, p in enumerate(layout))
+            for name, layout in storage.items()}

@@ -8,6 +8,7 @@ Must never insert anything into the graph: it only annotates.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ from torch.distributed.tensor import Replicate
 from torch_autopar import _compat
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.program import tensor_nbytes
-from torch_autopar.strategies.placements import spec_for
+from torch_autopar.strategies import boundary
+from torch_autopar.strategies.placements import parse_placements, spec_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,27 @@ class Redistribution:
     backward: bool
 
 
+@dataclass(frozen=True, kw_only=True)
+class ModulePins:
+    """Layouts forced at submodule boundaries (eager mode's hooks): ``scopes`` gives each forward node the
+    submodules it ran in (``capture.scopes``); a value entering module ``path`` is moved to
+    ``entering[(path, value)]``, one leaving it to ``leaving[(path, value)]`` (absent: it stays as it is)."""
+
+    scopes: dict
+    entering: dict
+    leaving: dict
+
+    def crossings(self, value: fx.Node, user: fx.Node) -> list[tuple[str, tuple | None]]:
+        """The boundaries ``value`` crosses on its way to ``user``, in order: out of the modules it was made in
+        that ``user`` is not in (innermost first), then into those of ``user`` it was not made in."""
+        made, used = self.scopes.get(value, ()), self.scopes.get(user, ())
+        shared = 0
+        while shared < min(len(made), len(used)) and made[shared] == used[shared]:
+            shared += 1
+        out = [(path, self.leaving.get((path, value))) for path in reversed(made[shared:])]
+        return out + [(path, self.entering.get((path, value))) for path in used[shared:]]
+
+
 @dataclass(kw_only=True)
 class Sharding:
     """Result of propagation: a spec per node, the redistributions needed, and ops replicated for lack of rules."""
@@ -43,12 +66,17 @@ class Sharding:
     specs: dict[fx.Node, object]
     redistributions: list[Redistribution] = field(default_factory=list)
     replicated_ops: Counter = field(default_factory=Counter)
+    returned: dict = field(default_factory=dict)
+    """Forward output node → its spec as the model returns it, where module boundaries moved it."""
 
 
 class _Propagator:
-    def __init__(self, program: CapturedProgram, mesh: DeviceMesh, seeds: dict):
-        self.program, self.mesh, self.seeds = program, mesh, seeds
+    def __init__(self, program: CapturedProgram, mesh: DeviceMesh, seeds: dict, pins: ModulePins | None = None):
+        self.program, self.mesh, self.seeds, self.pins = program, mesh, seeds, pins
         self.result = Sharding(specs={})
+        self.output_node = program.graph.graph.find_nodes(op="output")[0]
+        self.crossed: dict[tuple, object] = {}
+        """(value, module path) → the spec the value has after crossing that module's boundary (moved once)."""
 
     def run(self) -> Sharding:
         for node in self.program.graph.graph.nodes:
@@ -56,6 +84,9 @@ class _Propagator:
                 self._placeholder(node)
             elif node.op == "call_function":
                 self.result.specs[node] = self._call(node)
+        for value in self.program.output_nodes.values():
+            if self.pins is not None and isinstance(self.result.specs.get(value), _compat.DTensorSpec):
+                self.result.returned[value] = self._returned(value)
         return self.result
 
     def _placeholder(self, node: fx.Node) -> None:
@@ -73,15 +104,45 @@ class _Propagator:
         spec = self.result.specs[node]
         if spec is None and node in self.program.tangent_nodes:
             output = self.program.output_nodes[self.program.tangent_nodes[node]]
-            spec = spec_for(self.mesh, node.meta["val"], tangent_placements(self.result.specs[output].placements))
+            spec = spec_for(self.mesh, node.meta["val"], tangent_placements(self._returned(output).placements))
             self.result.specs[node] = spec
         return spec
 
+    def _returned(self, output: fx.Node):
+        """The spec forward output ``output`` has as the model returns it (past every module boundary)."""
+        if self.pins is None:
+            return self.result.specs[output]
+        return self._seen_by(output, self.output_node)
+
+    def _seen_by(self, value: fx.Node, user: fx.Node):
+        """``value``'s spec as ``user`` receives it: moved at each pinned module boundary on the way (the
+        move recorded once per value and boundary, as the hook runs once per call)."""
+        spec = self._spec_of(value)
+        if self.pins is None or not isinstance(spec, _compat.DTensorSpec):
+            return spec
+        for path, pinned in self.pins.crossings(value, user):
+            if pinned is None:
+                continue
+            key = (value, path)
+            if key not in self.crossed:
+                target = boundary.move_target(tuple(spec.placements), parse_placements(pinned))
+                if tuple(spec.placements) != target:
+                    self.result.redistributions.append(Redistribution(
+                        node=value.name, arg_index=-1, source=tuple(spec.placements), target=target,
+                        global_nbytes=tensor_nbytes(value.meta.get("val")), backward=False))
+                self.crossed[key] = spec_for(self.mesh, value.meta["val"], target)
+            spec = self.crossed[key]
+        return spec
+
     def _call(self, node: fx.Node):
+        return self._dispatch(node, lambda value: self._seen_by(value, node))
+
+    def _dispatch(self, node: fx.Node, spec_of_input):
+        """``node``'s output spec from DTensor's rule, given the spec each input node arrives in."""
         if node.target is operator.getitem:
-            container = self._spec_of(node.args[0])
+            container = spec_of_input(node.args[0])
             return container[node.args[1]] if isinstance(container, (tuple, list)) else container
-        map_arg = lambda a: self._spec_of(a) if isinstance(a, fx.Node) else a  # noqa: E731
+        map_arg = lambda a: spec_of_input(a) if isinstance(a, fx.Node) else a  # noqa: E731
         args = fx.node.map_aggregate(node.args, map_arg)
         kwargs = fx.node.map_aggregate(node.kwargs, map_arg)
         if isinstance(node.target, torch._ops.OpOverload) and _compat.has_sharding_rule(node.target):
@@ -136,14 +197,86 @@ class _Propagator:
             global_nbytes=tensor_nbytes(value), backward=self.program.is_backward(node)))
 
 
+class _Follower(_Propagator):
+    """The per-rank program's run of a plan's node layouts: every node's inputs moved to the layouts the plan
+    gives them (never into a partial sum: ``boundary.move_target``), DTensor's rule applied to them (with any
+    further move it asks for), the output moved to the plan's layout where the rule leaves it elsewhere."""
+
+    def __init__(self, program: CapturedProgram, mesh: DeviceMesh, layouts: dict):
+        super().__init__(program, mesh, seeds={})
+        self.layouts = layouts
+
+    def _placeholder(self, node: fx.Node) -> None:
+        layout, value = self.layouts.get(node.name), node.meta.get("val")
+        if isinstance(value, torch.Tensor) and layout is not None and _one_tensor(layout.output):
+            self.result.specs[node] = spec_for(self.mesh, value, parse_placements(layout.output))
+        else:
+            super()._placeholder(node)
+
+    def _call(self, node: fx.Node):
+        layout = self.layouts.get(node.name)
+        if layout is None:
+            return super()._call(node)
+        moved = {producer: self._moved(node, position, producer, layout.inputs[position] if position < len(layout.inputs) else None)
+                 for position, producer in enumerate(node.all_input_nodes)}
+        output = self._dispatch(node, moved.__getitem__)
+        if node.target is operator.getitem:
+            return output
+        if isinstance(output, (tuple, list)) and isinstance(layout.output, tuple) and not _one_tensor(layout.output):
+            return tuple(self._conformed(node, spec, wanted) for spec, wanted in zip(output, layout.output))
+        return self._conformed(node, output, layout.output)
+
+    def _moved(self, node: fx.Node, position: int, producer: fx.Node, wanted):
+        spec = self._spec_of(producer)
+        if not isinstance(spec, _compat.DTensorSpec) or not _one_tensor(wanted):
+            return spec
+        target = boundary.move_target(tuple(spec.placements), parse_placements(wanted))
+        if target == tuple(spec.placements):
+            return spec
+        self.result.redistributions.append(Redistribution(
+            node=node.name, arg_index=position, source=tuple(spec.placements), target=target,
+            global_nbytes=tensor_nbytes(producer.meta.get("val")), backward=self.program.is_backward(node)))
+        return spec_for(self.mesh, producer.meta["val"], target)
+
+    def _conformed(self, node: fx.Node, spec, wanted):
+        if not isinstance(spec, _compat.DTensorSpec) or not _one_tensor(wanted):
+            return spec
+        target = boundary.move_target(tuple(spec.placements), parse_placements(wanted))
+        if target == tuple(spec.placements):
+            return spec
+        self.result.redistributions.append(Redistribution(
+            node=node.name, arg_index=-1, source=tuple(spec.placements), target=target,
+            global_nbytes=_spec_nbytes(spec), backward=self.program.is_backward(node)))
+        return _compat.DTensorSpec(self.mesh, target, spec.tensor_meta)
+
+
+def _spec_nbytes(spec) -> int:
+    meta = spec.tensor_meta
+    return math.prod(meta.shape) * meta.dtype.itemsize if meta is not None else 0
+
+
+def _one_tensor(layout) -> bool:
+    return isinstance(layout, tuple) and all(isinstance(p, str) for p in layout)
+
+
+def follow_layouts(program: CapturedProgram, mesh: DeviceMesh, layouts: dict) -> Sharding:
+    """What the per-rank program does with ``layouts`` (node name → an object with ``output`` and ``inputs``
+    placements as text, as ``search.plan.NodeLayout``): each node's spec as it runs and every move it makes,
+    including those a hand-edited layout implies (an op whose rule cannot give the planned output is moved
+    after it)."""
+    _compat.prefer_early_partial_reduction()
+    return _Follower(program, mesh, layouts).run()
+
+
 def tangent_placements(output_placements) -> tuple:
     """The layout of an output's gradient: as the output's, except that the gradient of a partial sum is
     replicated (what DTensor's backward of a redistribution hands back)."""
     return tuple(Replicate() if p.is_partial() else p for p in output_placements)
 
 
-def propagate(program: CapturedProgram, mesh: DeviceMesh, seeds: dict) -> Sharding:
+def propagate(program: CapturedProgram, mesh: DeviceMesh, seeds: dict, pins: ModulePins | None = None) -> Sharding:
     """Placements for every node of ``program`` given ``seeds`` (node → placements per mesh axis), chosen as
-    the sharded runtime's DTensor chooses them (``_compat.prefer_early_partial_reduction`` included)."""
+    the sharded runtime's DTensor chooses them (``_compat.prefer_early_partial_reduction`` included), with
+    values moved at the module boundaries ``pins`` forces (eager mode's hooks)."""
     _compat.prefer_early_partial_reduction()
-    return _Propagator(program, mesh, seeds).run()
+    return _Propagator(program, mesh, seeds, pins).run()
