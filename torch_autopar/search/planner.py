@@ -172,6 +172,7 @@ class Planner:
         self.folding = folding if folding is not None else Folding()
         self.weights = node_weights(program, self.folding)
         self._shared: BuiltProblem | None = None
+        self._role_shardings: dict[str, Sharding] = {}
         self.mode = mode
         """How compile will run a sharded plan: "eager" pays DTensor's per-op host overhead, "graph" does not."""
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -197,10 +198,13 @@ class Planner:
         return self._plan(strategy, sharding, params, local_compute=True)
 
     def role_propagated(self, strategy: str) -> Plan:
-        """Propagation from seeds that follow ``strategy``'s role on each mesh axis (``search.role_seeds``)."""
+        """Propagation from seeds that follow ``strategy``'s role on each mesh axis (``search.role_seeds``); each
+        strategy's propagation is kept, as "auto"'s fast mode propagates every named strategy again."""
         seeds = role_seeds(self.program, axis_roles(strategy, self.mesh.ndim), tuple(self.mesh.shape))
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
-        return self._plan(strategy, propagate(self.program, self.mesh, seeds), params)
+        if strategy not in self._role_shardings:
+            self._role_shardings[strategy] = propagate(self.program, self.mesh, seeds)
+        return self._plan(strategy, self._role_shardings[strategy], params)
 
     def searched(self, strategy: str) -> Plan:
         """The exact search restricted by ``strategy``'s axis roles: bounds on the leaves of the one problem that
@@ -243,7 +247,10 @@ class Planner:
         problem = built.problem
         _, edge_vars = problem.size()
         if self.solver == "auto" and edge_vars > MAX_EXACT_EDGE_VARIABLES:
-            return self._too_large(strategies, edge_vars, restriction)
+            plans = self._too_large(strategies, edge_vars, restriction)
+            for plan in plans.values():  # the time spent finding the problem too large, unless solved exactly
+                plan.search_stats = built.stats | plan.search_stats
+            return plans
         solver = built.solver()
         plans = {}
         for name in strategies:
@@ -508,10 +515,9 @@ class Planner:
             f"{p.search_stats['candidate']} {p.estimated_step_time * 1e3:.3f} ms"
             + (" (over budget)" if p.peak_memory > self.budget else "") for p in plans)
             + f"; chose {best.search_stats['candidate']}"
-            + (" (estimates of the layouts as executed)" if executable else ""))
-        if skipped:
-            best.notes.append(", ".join(skipped) + " not solved: each is the unrestricted problem with its leaves "
-                              "bounded, so the proven optimum of auto is no slower")
+            + (" (estimates of the layouts as executed)" if executable else "")
+            + (f"; {', '.join(skipped)} not solved: each is auto's problem with its leaves bounded, so auto's proven "
+               "optimum is no slower" if skipped else ""))
         best.strategy = "auto"
         return best
 
