@@ -31,7 +31,7 @@ from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_bucket
 from torch_autopar.search.layouts import node_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
 from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective
-from torch_autopar.search.problem import ShardingProblem, build_problem
+from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build_problem
 from torch_autopar.search.role_seeds import role_seeds
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Redistribution, Sharding, format_placements, parse_placements, propagate, seed_placements
@@ -142,12 +142,14 @@ def _layer_rows(program: CapturedProgram, infos: dict, placements: dict, buckets
 
 @dataclass(kw_only=True)
 class BuiltProblem:
-    """A sharding problem, the strategy space it was built from, the seconds each took, and its solver model
-    (built on first use, then shared by every restriction solved on it)."""
+    """A sharding problem (None: too large to solve exactly), the strategy space it was built from, the seconds
+    each took, and its solver model (built on first use, then shared by every restriction solved on it)."""
 
     space: StrategySpace
-    problem: ShardingProblem
+    problem: ShardingProblem | None
     stats: dict
+    edge_variables: int
+    """Of the problem; where it is too large, how many there were when building stopped."""
     _solver: Solver | None = None
 
     def solver(self) -> Solver:
@@ -172,7 +174,9 @@ class Planner:
         self.folding = folding if folding is not None else Folding()
         self.weights = node_weights(program, self.folding)
         self._shared: BuiltProblem | None = None
-        self._role_shardings: dict[str, Sharding] = {}
+        self._propagations: dict[tuple, Sharding] = {}
+        self._enumerations: dict = {}
+        """Shared by the strategy enumerations of every restriction (``enumerate_strategies``'s memo)."""
         self.mode = mode
         """How compile will run a sharded plan: "eager" pays DTensor's per-op host overhead, "graph" does not."""
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -183,12 +187,13 @@ class Planner:
     def propagated(self, strategy: str) -> Plan:
         seeds = seed_placements(self.program, strategy, self.mesh.ndim)
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
-        sharding = propagate(self.program, self.mesh, seeds)
+        sharding = self._propagation(("seeds", strategy), seeds)
         if strategy != "data_parallel" or self.mesh.size() == 1:
             return self._plan(strategy, sharding, params)
         # Data parallelism runs the whole model locally on each slice (batch-coupled ops such as batch norm
         # see the rank's slice, as in DDP): nothing moves but the gradients, each rank computes 1/world of the
-        # one-process step, and every gradient is a partial sum to all-reduce, whatever DTensor's rules say.
+        # one-process step, and every gradient is a partial sum to all-reduce, whatever DTensor's rules say
+        # (done in place on the kept propagation: doing it again changes nothing).
         sharding.redistributions.clear()
         partial = tuple(Partial() for _ in range(self.mesh.ndim))
         for node in self.program.grad_nodes.values():
@@ -198,13 +203,17 @@ class Planner:
         return self._plan(strategy, sharding, params, local_compute=True)
 
     def role_propagated(self, strategy: str) -> Plan:
-        """Propagation from seeds that follow ``strategy``'s role on each mesh axis (``search.role_seeds``); each
-        strategy's propagation is kept, as "auto"'s fast mode propagates every named strategy again."""
+        """Propagation from seeds that follow ``strategy``'s role on each mesh axis (``search.role_seeds``)."""
         seeds = role_seeds(self.program, axis_roles(strategy, self.mesh.ndim), tuple(self.mesh.shape))
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
-        if strategy not in self._role_shardings:
-            self._role_shardings[strategy] = propagate(self.program, self.mesh, seeds)
-        return self._plan(strategy, self._role_shardings[strategy], params)
+        return self._plan(strategy, self._propagation(("roles", strategy), seeds), params)
+
+    def _propagation(self, key: tuple, seeds: dict) -> Sharding:
+        """``propagate`` from ``seeds``, kept under ``key``: "auto" compares data parallelism and, in the fast
+        mode, every named strategy's propagation again (seconds each on a 3-D mesh)."""
+        if key not in self._propagations:
+            self._propagations[key] = propagate(self.program, self.mesh, seeds)
+        return self._propagations[key]
 
     def searched(self, strategy: str) -> Plan:
         """The exact search restricted by ``strategy``'s axis roles: bounds on the leaves of the one problem that
@@ -226,10 +235,15 @@ class Planner:
         if restriction is None and self._shared is not None:
             return self._shared
         started = time.perf_counter()
-        space = enumerate_strategies(self.program, self.mesh, restriction)
+        space = enumerate_strategies(self.program, self.mesh, restriction, self._enumerations)
         generated = time.perf_counter()
-        problem = build_problem(self.program, space, self.cost, self._arrival, self.budget, self.weights)
-        built = BuiltProblem(space=space, problem=problem, stats={
+        limit = MAX_EXACT_EDGE_VARIABLES if self.solver == "auto" else float("inf")
+        try:
+            problem = build_problem(self.program, space, self.cost, self._arrival, self.budget, self.weights, limit)
+            edge_variables = problem.size()[1]
+        except ProblemTooLarge as too_large:
+            problem, edge_variables = None, too_large.edge_variables
+        built = BuiltProblem(space=space, problem=problem, edge_variables=edge_variables, stats={
             "strategy_generation_s": generated - started, "problem_build_s": time.perf_counter() - generated})
         if restriction is None:
             self._shared = built
@@ -245,9 +259,8 @@ class Planner:
             return {name: self._fast_mode(name, None) for name in strategies}
         built = self._problem(restriction)
         problem = built.problem
-        _, edge_vars = problem.size()
-        if self.solver == "auto" and edge_vars > MAX_EXACT_EDGE_VARIABLES:
-            plans = self._too_large(strategies, edge_vars, restriction)
+        if problem is None:
+            plans = self._too_large(strategies, built.edge_variables, restriction)
             for plan in plans.values():  # the time spent finding the problem too large, unless solved exactly
                 plan.search_stats = built.stats | plan.search_stats
             return plans
@@ -299,8 +312,8 @@ class Planner:
             if name != "auto":
                 plans.update(self.searched_many([name], leaf_filter(self.program, axis_roles(name, self.mesh.ndim))))
         for plan in plans.values():
-            plan.notes.append(f"the unrestricted problem has {edge_vars:,} edge variables (limit "
-                              f"{MAX_EXACT_EDGE_VARIABLES:,}): searched each named strategy on its own problem")
+            plan.notes.append(f"the unrestricted problem has more than {MAX_EXACT_EDGE_VARIABLES:,} edge variables "
+                              "(the exact limit): searched each named strategy on its own problem")
         return plans
 
     def _fast_mode(self, strategy: str, edge_vars: int | None) -> Plan:
@@ -317,8 +330,8 @@ class Planner:
             plan.search_stats["candidate"] = plan.strategy
             plan.strategy = "auto"
         plan.search_stats.update({"mode": "propagation", "edge_variables": edge_vars})
-        plan.notes.append(f"fast propagation mode: {edge_vars:,} edge variables exceed the exact limit of "
-                          f"{MAX_EXACT_EDGE_VARIABLES:,}" if self.solver == "auto" else "propagation mode requested")
+        plan.notes.append(f"fast propagation mode: the problem has more than {MAX_EXACT_EDGE_VARIABLES:,} edge "
+                          "variables (the exact limit)" if self.solver == "auto" else "propagation mode requested")
         return plan
 
     def _real_params(self, captured: dict) -> dict:
