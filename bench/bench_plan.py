@@ -49,7 +49,7 @@ def _model(name: str):
 
 
 def _plan(model, tokens, mesh, strategy, hardware="h100", budget=None):
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     try:
         plan = autopar.plan(model, tokens, mesh_shape=mesh, hardware=hardware, strategy=strategy,
                             memory_budget=budget)
@@ -58,6 +58,7 @@ def _plan(model, tokens, mesh, strategy, hardware="h100", budget=None):
     stats = plan.search_stats
     return {"strategy": strategy, "step_s": plan.estimated_step_time, "peak_memory_gib": plan.peak_memory / 2**30,
             "comm_gib": plan.comm_bytes() / 2**30, "seconds": time.perf_counter() - started,
+            "cpu_s": time.process_time() - cpu,  # steadier than wall time on a shared machine (one thread)
             **{phase: stats.get(phase) for phase in PHASES}, "mode": stats.get("mode", "propagation"),
             "candidate": stats.get("candidate")}
 
@@ -106,7 +107,7 @@ def search_time(cases, strategies=("auto",)) -> list[dict]:
     """Planning time per phase, estimated step time and memory per device for each (model, mesh, strategy)."""
     rows = []
     print(f"{'model':<12} {'mesh':<8} {'strategy':<16} {'total':>7} " + " ".join(f"{p[:-2][:10]:>10}" for p in PHASES)
-          + f" {'other':>7}  {'step':>10} {'memory':>10}  mode", flush=True)
+          + f" {'other':>7} {'cpu':>7}  {'step':>10} {'memory':>10}  mode", flush=True)
     for name, mesh in cases:
         model, seq = _model(name)
         tokens = torch.empty(16, seq, dtype=torch.long, device="meta")
@@ -123,7 +124,7 @@ def _print_time_row(row: dict) -> None:
     result = (f"{row['step_s']:9.3f}s {row['peak_memory_gib']:6.1f} GiB  {row['mode']}"
               + (f" (chose {row['candidate']})" if row.get("candidate") else "")) if "step_s" in row else row["error"][:60]
     print(f"{row['model']:<12} {row['mesh']:<8} {row['strategy']:<16} {row['seconds']:7.1f} {phases} "
-          f"{row['other_s']:7.1f}  {result}", flush=True)
+          f"{row['other_s']:7.1f} {row.get('cpu_s', 0.0):7.1f}  {result}", flush=True)
 
 
 def main() -> None:
