@@ -54,7 +54,8 @@ def _plan(model, tokens, mesh, strategy, hardware="h100", budget=None):
         plan = autopar.plan(model, tokens, mesh_shape=mesh, hardware=hardware, strategy=strategy,
                             memory_budget=budget)
     except AutoparError as error:
-        return {"strategy": strategy, "error": str(error)[:200], "seconds": time.perf_counter() - started}
+        return {"strategy": strategy, "error": str(error)[:200], "seconds": time.perf_counter() - started,
+                "cpu_s": time.process_time() - cpu}
     stats = plan.search_stats
     return {"strategy": strategy, "step_s": plan.estimated_step_time, "peak_memory_gib": plan.peak_memory / 2**30,
             "comm_gib": plan.comm_bytes() / 2**30, "seconds": time.perf_counter() - started,
