@@ -1,8 +1,10 @@
 """Plan quality and search time: `auto` against every named strategy, on meta-device models.
 
     python bench/bench_plan.py            # full: GPT-2-XL and LLaMA-3-8B shapes on h100 meshes 8, 2x4, 8x8,
-                                          # plus search time for LLaMA-3-8B on 8x16 and LLaMA-3-70B on 8x8x16
+                                          # plus search time per phase for LLaMA-3 8B on 8x16, 70B on 8x8x16 and
+                                          # 405B on 16x8x16 (16 sequences of 2,048 tokens)
     python bench/bench_plan.py --quick    # GPT-2-small shape only
+    python bench/bench_plan.py --scale    # only the search times at scale, for auto and each named strategy
 
 Estimated step time and peak memory per device come from torch_autopar's cost model (no devices are used).
 Prints a table and writes bench/results/plan.json.
@@ -22,9 +24,13 @@ import torch
 
 import torch_autopar as autopar
 from torch_autopar.errors import AutoparError
-from torch_autopar.testing.models import GPT, GPT2_SMALL, GPT2_XL, LLAMA3_70B, LLAMA3_8B, Llama
+from torch_autopar.testing.models import GPT, GPT2_SMALL, GPT2_XL, LLAMA3_405B, LLAMA3_70B, LLAMA3_8B, Llama
 
 STRATEGIES = ("data_parallel", "fully_shard", "tensor_parallel", "fsdp_tp", "auto")
+SCALE = (("llama3-8b", (8, 16)), ("llama3-70b", (8, 8, 16)), ("llama3-405b", (16, 8, 16)))
+PHASES = ("capture_s", "strategy_generation_s", "problem_build_s", "solve_s")
+"""Planning phases timed by ``plan.search_stats`` (the chosen plan's solve; the rest of the time is "other":
+propagation, estimates, the candidates compared)."""
 
 
 def _model(name: str):
@@ -37,21 +43,24 @@ def _model(name: str):
             return Llama(LLAMA3_8B), 2048
         if name == "llama3-70b":
             return Llama(LLAMA3_70B), 2048
+        if name == "llama3-405b":
+            return Llama(LLAMA3_405B), 2048
     raise ValueError(name)
 
 
 def _plan(model, tokens, mesh, strategy, hardware="h100", budget=None):
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     try:
         plan = autopar.plan(model, tokens, mesh_shape=mesh, hardware=hardware, strategy=strategy,
                             memory_budget=budget)
     except AutoparError as error:
-        return {"strategy": strategy, "error": str(error)[:200], "seconds": time.perf_counter() - started}
+        return {"strategy": strategy, "error": str(error)[:200], "seconds": time.perf_counter() - started,
+                "cpu_s": time.process_time() - cpu}
     stats = plan.search_stats
     return {"strategy": strategy, "step_s": plan.estimated_step_time, "peak_memory_gib": plan.peak_memory / 2**30,
             "comm_gib": plan.comm_bytes() / 2**30, "seconds": time.perf_counter() - started,
-            "capture_s": stats.get("capture_s"), "strategy_generation_s": stats.get("strategy_generation_s"),
-            "solve_s": stats.get("solve_s"), "mode": stats.get("mode", "propagation"),
+            "cpu_s": time.process_time() - cpu,  # steadier than wall time on a shared machine (one thread)
+            **{phase: stats.get(phase) for phase in PHASES}, "mode": stats.get("mode", "propagation"),
             "candidate": stats.get("candidate")}
 
 
@@ -95,35 +104,48 @@ def check_auto(rows: list[dict]) -> list[str]:
     return problems
 
 
-def search_time(cases) -> list[dict]:
+def search_time(cases, strategies=("auto",)) -> list[dict]:
+    """Planning time per phase, estimated step time and memory per device for each (model, mesh, strategy)."""
     rows = []
+    print(f"{'model':<12} {'mesh':<8} {'strategy':<16} {'total':>7} " + " ".join(f"{p[:-2][:10]:>10}" for p in PHASES)
+          + f" {'other':>7} {'cpu':>7}  {'step':>10} {'memory':>10}  mode", flush=True)
     for name, mesh in cases:
         model, seq = _model(name)
-        devices = 1
-        for size in mesh:
-            devices *= size
-        tokens = torch.empty(mesh[0] * 2, seq, dtype=torch.long, device="meta")
-        row = _plan(model, tokens, mesh, "auto") | {"model": name, "mesh": "x".join(map(str, mesh))}
-        rows.append(row)
-        print(f"search time {name} on {row['mesh']}: total {row['seconds']:.1f} s (capture {row.get('capture_s') or 0:.1f} s, "
-              f"strategy generation {row.get('strategy_generation_s') or 0:.1f} s, last solve {row.get('solve_s') or 0:.1f} s, "
-              f"mode {row.get('mode')})", flush=True)
+        tokens = torch.empty(16, seq, dtype=torch.long, device="meta")
+        for strategy in strategies:
+            row = _plan(model, tokens, mesh, strategy) | {"model": name, "mesh": "x".join(map(str, mesh))}
+            row["other_s"] = row["seconds"] - sum(row.get(phase) or 0.0 for phase in PHASES)
+            rows.append(row)
+            _print_time_row(row)
     return rows
+
+
+def _print_time_row(row: dict) -> None:
+    phases = " ".join(f"{row.get(phase) or 0.0:10.1f}" for phase in PHASES)
+    result = (f"{row['step_s']:9.3f}s {row['peak_memory_gib']:6.1f} GiB  {row['mode']}"
+              + (f" (chose {row['candidate']})" if row.get("candidate") else "")) if "step_s" in row else row["error"][:60]
+    print(f"{row['model']:<12} {row['mesh']:<8} {row['strategy']:<16} {row['seconds']:7.1f} {phases} "
+          f"{row['other_s']:7.1f} {row.get('cpu_s', 0.0):7.1f}  {result}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "plan.json"))
+    parser.add_argument("--scale", action="store_true", help="only the search times at scale, every strategy")
+    parser.add_argument("--out", default=None, help="default: bench/results/plan.json (--scale: plan_scale.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.quick:
         rows = quality(["gpt2-small"], [(8,), (2, 4)])
         times = []
+    elif args.scale:
+        rows = []
+        times = search_time(SCALE, ("auto", "fully_shard", "tensor_parallel", "fsdp_tp"))
     else:
         rows = quality(["gpt2-xl", "llama3-8b"], [(8,), (2, 4), (8, 8)])
-        times = search_time([("llama3-8b", (8, 16)), ("llama3-70b", (8, 8, 16))])
-    problems = check_auto(rows)
+        times = search_time(SCALE)
+    args.out = args.out or os.path.join(os.path.dirname(__file__), "results", "plan_scale.json" if args.scale else "plan.json")
+    problems = check_auto(rows + times)
     print("auto never worse than the best named strategy:", "yes" if not problems else problems)
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
               "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),

@@ -61,11 +61,12 @@ PARTS = (
          note="cost-model fidelity: predicted vs measured step time"),
     Part(name="models", script="bench_models.py", results=("models.json",), timeout_s=300,
          note="capture time and joint-graph size of transformers models; LLaMA-3-8B (transformers) planned on meta"),
-    Part(name="plan", script="bench_plan.py", results=("plan.json",), timeout_s=400, default=False,
-         note="older plan-quality bench: GPT-2-XL / LLaMA-3-8B on h100, search time of LLaMA-3-70B on 8x8x16"),
+    Part(name="plan", script="bench_plan.py", results=("plan.json",), timeout_s=900, default=False,
+         note="older plan-quality bench: GPT-2-XL / LLaMA-3-8B on h100, search time per phase of LLaMA-3 8B / 70B / 405B"),
 )
 """bench_plan.py only with --parts ...,plan: bench_quality.py plans its models and meshes (and more) with the same
-planner; its one extra case, LLaMA-3-70B on 8x8x16 (~1 min), makes its full run ~2.5 min."""
+planner; its extra cases, search time at cluster scale (LLaMA-3 8B on 8x16, 70B on 8x8x16, 405B on 16x8x16: ~2.5
+CPU minutes together), make its full run ~5 min."""
 
 
 def run_part(part: Part, quick: bool) -> dict:

@@ -56,6 +56,8 @@ class Solution:
     seconds: float
     num_variables: int
     status: str
+    optimal: bool
+    """Proved optimal (within HiGHS's relative gap), not stopped by the time limit."""
 
 
 MICROSECONDS = 1e6
@@ -174,7 +176,7 @@ class _Model:
         choice = [int(np.argmax(result.x[s:s + len(d.strategies)]))
                   for s, d in zip(self.x_offset, self.problem.decisions)]
         return Solution(choice=choice, objective=float(result.fun) / MICROSECONDS, seconds=time.perf_counter() - started,
-                        num_variables=n, status=str(result.message))
+                        num_variables=n, status=str(result.message), optimal=result.status == 0)
 
 
 def _infeasible_message(problem: ShardingProblem, message: str) -> str:

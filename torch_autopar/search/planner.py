@@ -4,15 +4,17 @@ Two ways to place nodes:
   propagation  seeds (parameters, inputs) pushed through DTensor's rules (``strategies.propagate``): exact for
                data parallelism and the fast mode for problems too large to solve exactly;
   search       the MILP of ``search.milp`` over every node's DTensor strategies, restricted per mesh axis by the
-               named strategy (``strategies.roles``).
+               named strategy (``strategies.roles``): one problem per planner, each restriction bounds its leaves.
 "auto" is the unrestricted search, compared with every named strategy under the same estimator, so it never
-returns a plan slower than one of them. Must never run a collective.
+returns a plan slower than one of them; a named restriction is not solved when auto's proven optimum, priced as
+its estimate, already bounds it. Must never run a collective.
 """
 
 from __future__ import annotations
 
 import operator
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,11 +32,11 @@ from torch_autopar.search import module_layouts as modules
 from torch_autopar.search.layouts import node_layouts, sharding_from_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
 from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective, is_one_tensor_layout
-from torch_autopar.search.problem import build_problem
+from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build_problem
 from torch_autopar.search.role_seeds import role_seeds
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Redistribution, Sharding, boundary, format_placements, parse_placements, propagate, seed_placements
-from torch_autopar.strategies.enumerate import enumerate_strategies
+from torch_autopar.strategies.enumerate import StrategySpace, enumerate_strategies
 from torch_autopar.strategies.placements import spec_for
 from torch_autopar.strategies.propagate import tangent_placements
 from torch_autopar.strategies.roles import axis_roles, leaf_filter
@@ -141,6 +143,24 @@ def _layer_rows(program: CapturedProgram, infos: dict, placements: dict, buckets
             for layer, r in rows.items()]
 
 
+@dataclass(kw_only=True)
+class BuiltProblem:
+    """A sharding problem (None: too large to solve exactly), the strategy space it was built from, the seconds
+    each took, and its solver model (built on first use, then shared by every restriction solved on it)."""
+
+    space: StrategySpace
+    problem: ShardingProblem | None
+    stats: dict
+    edge_variables: int
+    """Of the problem; where it is too large, how many there were when building stopped."""
+    _solver: Solver | None = None
+
+    def solver(self) -> Solver:
+        if self._solver is None:
+            self._solver = Solver(self.problem)
+        return self._solver
+
+
 class Planner:
     """Plans one captured program on one mesh; ``plan(strategy)`` may be called for several strategies."""
 
@@ -158,6 +178,10 @@ class Planner:
         self.solver, self.time_limit_s = solver, time_limit_s
         self.folding = folding if folding is not None else Folding()
         self.weights = node_weights(program, self.folding)
+        self._shared: BuiltProblem | None = None
+        self._propagations: dict[tuple, Sharding] = {}
+        self._enumerations: dict = {}
+        """Shared by the strategy enumerations of every restriction (``enumerate_strategies``'s memo)."""
         self.mode = mode
         """How compile will run a sharded plan: "eager" pays DTensor's per-op host overhead, "graph" does not."""
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -168,12 +192,13 @@ class Planner:
     def propagated(self, strategy: str) -> Plan:
         seeds = seed_placements(self.program, strategy, self.mesh.ndim)
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
-        sharding = propagate(self.program, self.mesh, seeds)
+        sharding = self._propagation(("seeds", strategy), seeds)
         if strategy != "data_parallel" or self.mesh.size() == 1:
             return self._plan(strategy, sharding, params)
         # Data parallelism runs the whole model locally on each slice (batch-coupled ops such as batch norm
         # see the rank's slice, as in DDP): nothing moves but the gradients, each rank computes 1/world of the
-        # one-process step, and every gradient is a partial sum to all-reduce, whatever DTensor's rules say.
+        # one-process step, and every gradient is a partial sum to all-reduce, whatever DTensor's rules say
+        # (done in place on the kept propagation: doing it again changes nothing).
         sharding.redistributions.clear()
         partial = tuple(Partial() for _ in range(self.mesh.ndim))
         for node in self.program.grad_nodes.values():
@@ -186,51 +211,76 @@ class Planner:
         """Propagation from seeds that follow ``strategy``'s role on each mesh axis (``search.role_seeds``)."""
         seeds = role_seeds(self.program, axis_roles(strategy, self.mesh.ndim), tuple(self.mesh.shape))
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
-        return self._plan(strategy, propagate(self.program, self.mesh, seeds), params)
+        return self._plan(strategy, self._propagation(("roles", strategy), seeds), params)
+
+    def _propagation(self, key: tuple, seeds: dict) -> Sharding:
+        """``propagate`` from ``seeds``, kept under ``key``: "auto" compares data parallelism and, in the fast
+        mode, every named strategy's propagation again (seconds each on a 3-D mesh)."""
+        if key not in self._propagations:
+            self._propagations[key] = propagate(self.program, self.mesh, seeds)
+        return self._propagations[key]
 
     def searched(self, strategy: str) -> Plan:
-        """The exact search restricted by ``strategy``'s axis roles (its own, smaller problem)."""
-        roles = axis_roles(strategy, self.mesh.ndim)
-        return self.searched_many([strategy], restriction=leaf_filter(self.program, roles))[strategy]
+        """The exact search restricted by ``strategy``'s axis roles: bounds on the leaves of the one problem that
+        "auto" solves unbounded, so auto's optimum is never slower (its own, smaller problem when that one is too
+        large to solve exactly)."""
+        return self.searched_many([strategy])[strategy]
 
     def _searched_or_none(self, strategy: str) -> Plan | None:
         try:
-            if strategy == "auto":
-                return self.searched_many(["auto"]).get("auto")
             return self.searched(strategy)
         except AutoparError as error:  # does not fit the budget under this restriction; other candidates may
             if strategy == "auto":
                 self.infeasible = error
             return None
 
+    def _problem(self, restriction=None) -> BuiltProblem:
+        """The sharding problem under ``restriction`` (None: the unrestricted one, built once per planner and
+        shared by every strategy, which bounds its leaves instead)."""
+        if restriction is None and self._shared is not None:
+            return self._shared
+        started = time.perf_counter()
+        space = enumerate_strategies(self.program, self.mesh, restriction, self._enumerations)
+        generated = time.perf_counter()
+        limit = MAX_EXACT_EDGE_VARIABLES if self.solver == "auto" else float("inf")
+        try:
+            problem = build_problem(self.program, space, self.cost, self._arrival, self.budget, self.weights, limit)
+            edge_variables = problem.size()[1]
+        except ProblemTooLarge as too_large:
+            problem, edge_variables = None, too_large.edge_variables
+        built = BuiltProblem(space=space, problem=problem, edge_variables=edge_variables, stats={
+            "strategy_generation_s": generated - started, "problem_build_s": time.perf_counter() - generated})
+        if restriction is None:
+            self._shared = built
+        return built
+
     def searched_many(self, strategies: list[str], restriction=None) -> dict[str, Plan]:
         """Exact searches for several named strategies over one problem (restrictions bound leaf choices)."""
         if self.solver == "propagate":  # nothing to size: the problem is never built
             return {name: self._fast_mode(name, None) for name in strategies}
-        started = time.perf_counter()
-        space = enumerate_strategies(self.program, self.mesh, restriction)
-        generated = time.perf_counter()
-        arrival = lambda node: boundary.arrival(node.meta["val"], self.mesh.ndim, self.full_batch)  # noqa: E731
-        problem = build_problem(self.program, space, self.cost, arrival, self.budget, self.weights)
-        built = time.perf_counter()
-        _, edge_vars = problem.size()
-        if self.solver == "auto" and edge_vars > MAX_EXACT_EDGE_VARIABLES:
-            return self._too_large(strategies, edge_vars, restriction)
-        solver = Solver(problem)
+        built = self._problem(restriction)
+        problem = built.problem
+        if problem is None:
+            plans = self._too_large(strategies, built.edge_variables, restriction)
+            for plan in plans.values():  # the time spent finding the problem too large, unless solved exactly
+                plan.search_stats = built.stats | plan.search_stats
+            return plans
+        solver = built.solver()
         plans = {}
         for name in strategies:
             try:
                 solution = solver.solve(self.time_limit_s, self._allowed(problem, name))
             except AutoparError:
                 continue  # this restriction does not fit the budget; the others may
-            sharding = to_sharding(self.program, problem, solution.choice, self.mesh, space.replicated_ops, arrival)
+            sharding = to_sharding(self.program, problem, solution.choice, self.mesh, built.space.replicated_ops,
+                                   self._arrival)
             params = {n: sharding.specs[node].placements for n, node in self.program.param_nodes.items()}
             # each gradient synced on its own, as the MILP prices it and the sharded runtime moves it
             plan = self._plan(name, sharding, params, bucket_cap_bytes=0)
             plan.search_stats.update({
                 "mode": "exact", "decisions": len(problem.decisions), "variables": solution.num_variables,
-                "strategy_generation_s": generated - started, "problem_build_s": built - generated,
-                "solve_s": solution.seconds, "objective_s": solution.objective, "solver_status": solution.status})
+                **built.stats, "solve_s": solution.seconds, "objective_s": solution.objective,
+                "solver_status": solution.status, "solver_optimal": solution.optimal})
             plans[name] = plan
         if not plans:
             solver.solve(self.time_limit_s)  # raises the infeasibility error with the smallest memory needed
@@ -263,8 +313,8 @@ class Planner:
             if name != "auto":
                 plans.update(self.searched_many([name], leaf_filter(self.program, axis_roles(name, self.mesh.ndim))))
         for plan in plans.values():
-            plan.notes.append(f"the unrestricted problem has {edge_vars:,} edge variables (limit "
-                              f"{MAX_EXACT_EDGE_VARIABLES:,}): searched each named strategy on its own problem")
+            plan.notes.append(f"the unrestricted problem has more than {MAX_EXACT_EDGE_VARIABLES:,} edge variables "
+                              "(the exact limit): searched each named strategy on its own problem")
         return plans
 
     def _fast_mode(self, strategy: str, edge_vars: int | None) -> Plan:
@@ -281,8 +331,8 @@ class Planner:
             plan.search_stats["candidate"] = plan.strategy
             plan.strategy = "auto"
         plan.search_stats.update({"mode": "propagation", "edge_variables": edge_vars})
-        plan.notes.append(f"fast propagation mode: {edge_vars:,} edge variables exceed the exact limit of "
-                          f"{MAX_EXACT_EDGE_VARIABLES:,}" if self.solver == "auto" else "propagation mode requested")
+        plan.notes.append(f"fast propagation mode: the problem has more than {MAX_EXACT_EDGE_VARIABLES:,} edge "
+                          "variables (the exact limit)" if self.solver == "auto" else "propagation mode requested")
         return plan
 
     def _real_params(self, captured: dict) -> dict:
@@ -435,6 +485,8 @@ class Planner:
                    for name, node in self.program.param_nodes.items())
 
     def _arrival(self, node) -> tuple:
+        """The layout a user input arrives in (``strategies.boundary``): each rank's slice, or replicated when
+        every rank passes the whole batch."""
         return boundary.arrival(node.meta["val"], self.mesh.ndim, self.full_batch)
 
     def _batch_check(self) -> PlannedCollective:
@@ -490,9 +542,7 @@ class Planner:
     def _auto(self, executable: bool) -> Plan:
         if self.mesh.size() == 1:
             return self._within_budget([self.propagated("stand_alone")])
-        names = ["data_parallel", "fully_shard", "tensor_parallel", "auto"]
-        if self.mesh.ndim >= 2:
-            names.insert(3, "fsdp_tp")
+        names = ["data_parallel", "auto", "fully_shard", "tensor_parallel"] + (["fsdp_tp"] if self.mesh.ndim >= 2 else [])
         if executable and self.program.buffer_updates:
             # Batch statistics (batch norm in training): data parallelism computes them per rank, as DDP does
             # (the compile contract); a sharded plan would compute them over the global batch. auto keeps the
@@ -505,16 +555,15 @@ class Planner:
             best = self._within_budget([plan])
             best.strategy = "auto"
             return best
-        # Each named strategy is planned exactly as plan(strategy=name) plans it (its own restricted problem),
-        # so auto can never lose to one of them; "auto" itself is the unrestricted search.
-        plans = []
+        # Each named strategy is planned exactly as plan(strategy=name) plans it, so auto can never lose to one
+        # of them; "auto" itself is the unrestricted search, solved first: when its optimum dominates the named
+        # restrictions by construction they are not solved at all (see _dominates_restrictions).
+        plans, skipped = [], []
         for name in names:
-            if name == "data_parallel":
-                plan = self.propagated(name)
-            elif name == "auto":
-                plan = self._searched_or_none(name)
-            else:
-                plan = self._searched_or_none(name)
+            if name not in ("data_parallel", "auto") and not executable and self._dominates_restrictions(plans):
+                skipped.append(name)
+                continue
+            plan = self.propagated(name) if name == "data_parallel" else self._searched_or_none(name)
             if plan is not None:
                 plan = self.executed(plan) if executable else plan
                 plan.search_stats["candidate"] = name
@@ -526,9 +575,21 @@ class Planner:
             f"{p.search_stats['candidate']} {p.estimated_step_time * 1e3:.3f} ms"
             + (" (over budget)" if p.peak_memory > self.budget else "") for p in plans)
             + f"; chose {best.search_stats['candidate']}"
-            + (" (estimates of the layouts as executed)" if executable else ""))
+            + (" (estimates of the layouts as executed)" if executable else "")
+            + (f"; {', '.join(skipped)} not solved: each is auto's problem with its leaves bounded, so auto's proven "
+               "optimum is no slower" if skipped else ""))
         best.strategy = "auto"
         return best
+
+    def _dominates_restrictions(self, plans: list[Plan]) -> bool:
+        """Whether the unrestricted search among ``plans`` is no slower than any named restriction, without
+        solving them: those are bounds on its very problem, it was solved to optimality, it fits the budget and
+        its estimate is the solver's objective (it is not, e.g., in graph mode or with mixed precision: then the
+        restrictions are solved)."""
+        searched = [p for p in plans if p.search_stats.get("candidate") == "auto" and p.search_stats.get("mode") == "exact"]
+        return any(p.search_stats["solver_optimal"] and p.peak_memory <= self.budget
+                   and abs(p.estimated_step_time - p.search_stats["objective_s"]) <= 1e-9 * p.estimated_step_time
+                   for p in searched)
 
     def _within_budget(self, plans: list[Plan]) -> Plan:
         fitting = [plan for plan in plans if plan.peak_memory <= self.budget]

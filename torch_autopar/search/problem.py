@@ -5,7 +5,8 @@ node). Choosing strategy ``a`` for a decision places every member accordingly. C
 ``CostModel``: compute of each strategy, resharding between a producer's output and the placement a consumer's
 strategy needs (summed over all tied edges), gradient synchronisation (gradient placement → parameter placement)
 and tangent layout (forward output → its tangent), each priced by ``cost.pricing`` as a plan's estimate prices
-it. Must never solve anything.
+it. Building stops once the problem is too large to solve exactly (``ProblemTooLarge``). Must never solve
+anything.
 """
 
 from __future__ import annotations
@@ -121,10 +122,21 @@ class ReshardTable:
         return grid[..., 0] + grid[..., 1] * nbytes
 
 
+class ProblemTooLarge(Exception):
+    """Building stopped once the edge variables passed the limit: the exact search is out of reach, and pricing
+    the rest of the problem would only cost time."""
+
+    def __init__(self, edge_variables: int):
+        super().__init__(f"more than {edge_variables:,} edge variables")
+        self.edge_variables = edge_variables
+
+
 class _Builder:
-    def __init__(self, program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival, weights: dict):
+    def __init__(self, program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival, weights: dict,
+                 max_edge_variables: float):
         self.program, self.space, self.cost, self.arrival = program, space, cost, arrival
         self.weights = weights
+        self.max_edge_variables, self.edge_variables = max_edge_variables, 0
         self.tied = find_repeated_layers(program)
         self.problem = ShardingProblem(decisions=[], edges={}, decision_of={})
         self.table = ReshardTable(cost)
@@ -262,11 +274,17 @@ class _Builder:
             edge_key = (du, dv, rows.tobytes(), cols.tobytes(), grad_sync, last)  # tied layers' edges share one
             edge = self.problem.edges.get(edge_key)
             if edge is None:
+                self._count(cost.size)
                 self.problem.edges[edge_key] = Edge(producer=du, consumer=dv, rows=rows, cols=cols, cost=cost,
                                                     grad_sync=grad_sync,
                                                     last_share=1.0 / self.weights.get(consumer, 1) if last else 0.0)
             else:
                 edge.cost = edge.cost + cost
+
+    def _count(self, variables: int) -> None:
+        self.edge_variables += variables
+        if self.edge_variables > self.max_edge_variables:
+            raise ProblemTooLarge(self.edge_variables)
 
     def _input_edges(self, node: fx.Node) -> None:
         strategies = self.space.candidates[node]
@@ -294,9 +312,11 @@ class _Builder:
 
 
 def build_problem(program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival,
-                  memory_budget: float = float("inf"), weights: dict | None = None) -> ShardingProblem:
+                  memory_budget: float = float("inf"), weights: dict | None = None,
+                  max_edge_variables: float = float("inf")) -> ShardingProblem:
     """``arrival(node)``: the placements a user input arrives in (each rank's slice: Shard(0) on every axis).
-    ``weights``: how many real nodes a captured node stands for (folded layers; absent: 1)."""
-    problem = _Builder(program, space, cost, arrival, weights or {}).build()
+    ``weights``: how many real nodes a captured node stands for (folded layers; absent: 1).
+    Raises ``ProblemTooLarge`` as soon as the problem has more than ``max_edge_variables`` edge variables."""
+    problem = _Builder(program, space, cost, arrival, weights or {}, max_edge_variables).build()
     problem.memory_budget = memory_budget
     return problem

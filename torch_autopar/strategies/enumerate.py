@@ -62,12 +62,15 @@ def _spec_placements(spec):
 
 
 class _Enumerator:
-    def __init__(self, program: CapturedProgram, mesh: DeviceMesh, leaf_filter):
+    def __init__(self, program: CapturedProgram, mesh: DeviceMesh, leaf_filter, memo: dict):
         self.program, self.mesh, self.leaf_filter = program, mesh, leaf_filter
         self.space = StrategySpace(candidates={})
         self.op_strategy: dict[fx.Node, object] = {}
-        self.cache: dict[tuple, tuple[list[NodeStrategy], object]] = {}
-        self.tokens: dict[tuple, int] = {}
+        self.cache: dict[tuple, tuple] = memo.setdefault("cache", {})
+        """Keyed by content (op, arguments, input candidates): (strategies, op strategy, replicated for lack of a
+        rule) for ops, (strategies, op strategy) for leaves."""
+        self.tokens: dict[tuple, int] = memo.setdefault("tokens", {})
+        self.seen: set[tuple] = set()
 
     def run(self) -> StrategySpace:
         for node in self.program.graph.graph.nodes:
@@ -98,11 +101,12 @@ class _Enumerator:
         if node.target is operator.getitem:
             return self._getitem(node)
         key = self._cache_key(node)
-        if key in self.cache:
-            strategies, op_strategy = self.cache[key]
-        else:
-            strategies, op_strategy = self._enumerate(node)
-            self.cache[key] = (strategies, op_strategy)
+        if key not in self.cache:
+            self.cache[key] = self._enumerate(node)
+        strategies, op_strategy, replicated = self.cache[key]
+        if replicated and key not in self.seen:  # reported once per distinct op, as the first enumeration did
+            self.space.replicated_ops[str(node.target)] += 1
+        self.seen.add(key)
         self.space.candidates[node] = strategies
         self.op_strategy[node] = op_strategy
 
@@ -141,11 +145,10 @@ class _Enumerator:
             found = self._from_dtensor(node, value)
         except Exception:  # a registered rule that cannot handle these shapes: replicate, always correct
             found = None
+        replicated = not found and bool(node.all_input_nodes)
         if not found:
-            if node.all_input_nodes:
-                self.space.replicated_ops[str(node.target)] += 1
             found = [self._replicated(node, value)]
-        return found, self._as_op_strategy(found, value)
+        return found, self._as_op_strategy(found, value), replicated
 
     def _from_dtensor(self, node: fx.Node, value):
         if not isinstance(node.target, torch._ops.OpOverload):
@@ -232,8 +235,12 @@ def _dedupe(strategies: list[NodeStrategy]) -> list[NodeStrategy]:
     return result
 
 
-def enumerate_strategies(program: CapturedProgram, mesh: DeviceMesh, leaf_filter=None) -> StrategySpace:
+def enumerate_strategies(program: CapturedProgram, mesh: DeviceMesh, leaf_filter=None,
+                         memo: dict | None = None) -> StrategySpace:
     """Candidate strategies for every node; ``leaf_filter(node, placements) -> placements`` restricts leaves
-    (this is how named strategies such as data_parallel restrict the search)."""
+    (this is how named strategies such as data_parallel restrict the search). ``memo``: a dict kept between
+    calls on one program and mesh, so that calls under different restrictions share the enumerations of
+    identical nodes with identical input candidates."""
     with _compat.without_dtensor_redistribute_costs():
-        return _Enumerator(program, mesh, leaf_filter or (lambda node, placements: placements)).run()
+        return _Enumerator(program, mesh, leaf_filter or (lambda node, placements: placements),
+                           {} if memo is None else memo).run()

@@ -127,6 +127,7 @@ class LlamaConfig:
 
 LLAMA3_8B = LlamaConfig(n_layer=32, dim=4096, n_head=32, n_kv_head=8, ffn_dim=14336, vocab_size=128256)
 LLAMA3_70B = LlamaConfig(n_layer=80, dim=8192, n_head=64, n_kv_head=8, ffn_dim=28672, vocab_size=128256)
+LLAMA3_405B = LlamaConfig(n_layer=126, dim=16384, n_head=128, n_kv_head=8, ffn_dim=53248, vocab_size=128256)
 GPT2_SMALL = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 GPT2_MEDIUM = GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024)
 GPT2_XL = GPTConfig(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600)
