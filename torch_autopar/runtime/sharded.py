@@ -21,6 +21,7 @@ from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import placement
 from torch_autopar.rewrite.program import ShardedProgram
 from torch_autopar.runtime.backend import compile_own, sharded_backend, sharded_compilers
+from torch_autopar.runtime.fsdp import ReshardedGroups
 from torch_autopar.runtime.precision import CastCall, MixedPrecision, compute_parameters
 from torch_autopar.search import Plan
 
@@ -73,6 +74,11 @@ class ShardedRunner:
         self.gradients = placement.GradientPlacement(module)
         self.gathered = placement.gathered_parameters(module, plan)
         self._params = dict(module.named_parameters())
+        self.groups = ReshardedGroups(module, self.gathered, mixed_precision) \
+            if plan.reshard_after_forward and self.gathered else None
+        """Eager mode: each group's parameters gathered around its forward and backward (``runtime.fsdp``)."""
+        grouped = self.groups.grouped() if self.groups is not None else set()
+        self._root = {name: param for name, param in self._params.items() if name not in grouped}
         self._compiled = None
         self._programs: dict[tuple, ShardedProgram] = {}
 
@@ -84,16 +90,24 @@ class ShardedRunner:
         """One call on this rank's slice: global DTensor inputs → the user's forward → this rank's outputs."""
         batch = placement.global_batch_size(args, kwargs, self.world_size)
         global_args, global_kwargs = placement.inputs_to_global(args, kwargs, self.mesh, self.plan.input_placements)
-        # the whole parameters for this forward, gathered once (the module's own stay sharded), cast if mixed
-        whole = compute_parameters(self._params, self.gathered, self.mixed_precision)
+        whole = self._whole_parameters()
         if whole:
             output = torch.func.functional_call(self.module, whole, global_args, global_kwargs, strict=False)
         else:
             output = self.module(*global_args, **global_kwargs)
         return placement.outputs_to_local(output, self.mesh, batch)
 
+    def _whole_parameters(self) -> dict:
+        """The parameters this call's forward runs on, gathered once for the step (the module's own stay sharded)
+        and cast if mixed: those of the root only when the groups gather their own."""
+        params = self._root if self.groups is not None and self.groups.enabled else self._params
+        gathered = {name: wanted for name, wanted in self.gathered.items() if name in params}
+        return compute_parameters(params, gathered, self.mixed_precision)
+
     def run(self, args, kwargs, mode: str, stats: dict):
         self.check_batch_sizes(args, kwargs)
+        if self.groups is not None:
+            self.groups.enabled = mode != "graph"
         if mode != "graph":
             return self.forward(*args, **kwargs)
         if os.environ.get("AUTOPAR_SHARDED_GRAPH", "program") == "program":
