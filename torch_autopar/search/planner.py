@@ -15,6 +15,7 @@ import operator
 import time
 
 import torch
+import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -23,6 +24,7 @@ from torch_autopar.capture.fold import Folding
 from torch_autopar.capture.program import params_fingerprint
 from torch_autopar.capture.layers import node_weights, reshard_groups
 from torch_autopar.cost import CostModel, HardwareProfile
+from torch_autopar.cost.ops import is_free
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
@@ -45,6 +47,8 @@ ALL_AXES_SEPARATOR = "+"
 """A collective over every rank is on axis "dp+tp" (the axis names joined)."""
 BATCH_CHECK_BYTES = 16
 """The sharded runtime's per-step check that all ranks pass equal batch slices (two float64)."""
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+"""How a captured mixed-precision call casts a parameter (``runtime.precision.CastCall``)."""
 MAX_EXACT_EDGE_VARIABLES = 400_000
 """Above this many edge variables the exact solve is replaced by the fast propagation mode."""
 
@@ -358,9 +362,11 @@ class Planner:
             seeds[node] = parse_placements(wanted) if wanted else (arrival if batch else replicate)
         sharding = propagate(program, self.mesh, seeds)
         regathered = self._regathered(plan, params, computed)
+        again = {name for names in regathered.values() for name in names
+                 if read_by_backward(program, program.param_nodes[name])}
         for name, node in program.param_nodes.items():  # the gathers of the forward, once per step
             self._note_move(sharding, node, params[name], computed[name], False, self.param_dtype)
-            if name in regathered:  # and again for the group's backward
+            if name in again:  # and again for the group's backward, where backward reads them
                 self._note_move(sharding, node, params[name], computed[name], True, self.param_dtype)
         for node in program.input_nodes.values():
             self._note_move(sharding, node, arrival if node.meta["val"].ndim >= 1 else replicate, seeds[node], False)
@@ -519,6 +525,20 @@ class Planner:
                 "devices, or a smaller batch."
             )
         return min(fitting, key=lambda plan: plan.estimated_step_time)
+
+
+def read_by_backward(program: CapturedProgram, param: fx.Node) -> bool:
+    """Whether backward reads parameter ``param``'s value (itself, a view or its cast for mixed precision): then
+    autograd keeps the gathered copy, and a group that frees it after forward gathers it again for backward (a
+    weight whose input needs no gradient, a bias, is not read: ``runtime.fsdp`` does not gather those again)."""
+    pending = [param]
+    while pending:
+        for user in pending.pop().users:
+            if program.is_backward(user):
+                return True
+            if user.op == "call_function" and (is_free(user) or user.target in _CASTS):
+                pending.append(user)
+    return False
 
 
 def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strategy: str = "auto",
