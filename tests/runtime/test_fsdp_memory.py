@@ -4,8 +4,9 @@ training step per rank is at most 1.1x FSDP2's (``torch.distributed.fsdp.fully_s
 root) and at most 0.6x (2 ranks; 0.4x on 4) autopar's data parallelism's, for an 8-block MLP and the project's
 GPT; the planner predicts that peak within 15%; and 3 AdamW steps equal one process (losses 1e-5 relative,
 parameters rtol 1e-4 / atol 1e-5). Peaks are the allocator's record (``testing.memory``), steps 2 and 3 (the
-optimizer state exists). Also: a plan saved with ``reshard_after_forward=False`` loads with it, and runs as
-before (every parameter gathered once per step, kept until backward: more memory).
+optimizer state exists). ``reshard_after_forward=False`` runs as before (every parameter gathered once per step
+and kept until backward): equal to one process too, with a higher peak. Without ranks: which parameters form a
+group, and the option saved and loaded with the plan.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import torch_autopar as autopar
+from torch_autopar.capture.layers import reshard_groups
+from torch_autopar.runtime.fsdp import grouped_names
 from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.memory import step_peak_bytes
 from torch_autopar.testing.models import GPT, GPTConfig, gpt2_init, gpt_loss
@@ -130,8 +133,10 @@ def _one_process(name: str) -> tuple[list[float], dict]:
 def test_fully_sharded_peak_is_fsdp2s_and_well_under_data_parallels(measured, name):
     world, ranks = measured
     for rank, results in enumerate(ranks):
-        ours, fsdp2, data_parallel = (results[(name, run)]["peak"] for run in ("fully_shard", "fsdp2", "data_parallel"))
-        what = f"{name} rank {rank} of {world}: fully_shard {ours:,} B, FSDP2 {fsdp2:,} B, data parallel {data_parallel:,} B"
+        ours, fsdp2, data_parallel = (results[(name, run)]["peak"] for run in ("fully_shard", "fsdp2",
+                                                                                 "data_parallel"))
+        what = (f"{name} rank {rank} of {world}: fully_shard {ours:,} B, FSDP2 {fsdp2:,} B, "
+                f"data parallel {data_parallel:,} B")
         assert ours <= 1.1 * fsdp2, what
         assert ours <= DATA_PARALLEL_RATIO[world] * data_parallel, what
         assert ours < results[(name, "keep_gathered")]["peak"], what
@@ -158,3 +163,23 @@ def test_three_adamw_steps_equal_one_process(measured, name, run):
         for param, value in results[(name, run)]["params"].items():
             torch.testing.assert_close(value, ref_params[param], rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"{name} {run} rank {rank} {param}: {m}")
+
+
+def test_groups_are_layers_and_a_weight_tied_across_groups_joins_the_root():
+    assert reshard_groups(["tok.weight", "blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight", "ln_f.bias"]) \
+        == {"blocks.0": ["blocks.0.fc.weight", "blocks.0.fc.bias"], "blocks.1": ["blocks.1.fc.weight"]}
+    assert reshard_groups(["fc1.weight", "fc2.weight", "scale"]) == {"fc1": ["fc1.weight"], "fc2": ["fc2.weight"]}
+    model = _model("blocks")
+    model.blocks[1][0].weight = model.blocks[0][0].weight
+    groups = grouped_names(model)
+    assert list(groups) == [f"blocks.{i}" for i in range(8)]
+    assert "blocks.0.0.weight" not in groups["blocks.0"] and "blocks.0.0.bias" in groups["blocks.0"]
+
+
+@pytest.mark.parametrize("reshard", (True, False))
+def test_plan_saves_and_loads_reshard_after_forward(tmp_path, reshard):
+    x = _batch("blocks", 0)[0]
+    plan = autopar.plan(_model("blocks"), x, mesh_shape=(2,), strategy="fully_shard", hardware="cpu-gloo",
+                        reshard_after_forward=reshard)
+    plan.save(tmp_path / "plan.json")
+    assert plan.reshard_after_forward is reshard and autopar.Plan.load(tmp_path / "plan.json") == plan
