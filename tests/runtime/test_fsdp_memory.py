@@ -22,7 +22,7 @@ from torch_autopar.capture.layers import reshard_groups
 from torch_autopar.runtime.fsdp import grouped_names
 from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.memory import step_peak_bytes
-from torch_autopar.testing.models import GPT, GPTConfig, gpt2_init, gpt_loss
+from torch_autopar.testing.models import GPT, BlockMLP, GPTConfig, gpt2_init, gpt_loss
 
 STEPS = 3
 MODELS = ("blocks", "gpt")
@@ -34,25 +34,10 @@ EPS = 1e-6
 the rounding noise of summing over ranks into a visible difference of its lr-sized first step."""
 
 
-class EightBlocks(nn.Module):
-    """Eight residual MLP blocks in an nn.ModuleList and a head: parameters dominate the memory of a step."""
-
-    def __init__(self, dim: int = 128, hidden: int = 512):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
-                                    for _ in range(8))
-        self.head = nn.Linear(dim, 8)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
-
-
 def _model(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "blocks":
-        return EightBlocks()
+        return BlockMLP()
     model = GPT(GPT_CONFIG)
     gpt2_init(model)
     return model

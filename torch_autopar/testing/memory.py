@@ -2,11 +2,11 @@
 
 ``step_peak_bytes(step, *holders)``: the bytes ``holders`` (modules, optimizers) hold when the step starts —
 parameters, buffers, gradients and optimizer state, each storage once, at its current size — plus the highest
-count of bytes the step allocated and had not yet freed. The profiler's "Total Allocated" counts every
-allocation made while it runs (DTensor's internals, collectives' buffers, a storage resized back to its size)
-and every free of those, so memory freed by resizing a storage to zero (FSDP2, ``runtime.fsdp``) is seen as
-freed, which ``MemTracker`` (which sizes a storage when it first sees it) cannot see. Frees of what existed
-before the step are not counted: clear gradients before calling it. Must never change what ``step`` computes.
+count of bytes the step allocated and had not yet freed. The profiler records every allocation and free of
+the CPU allocator while it runs (DTensor's internals, collectives' buffers, a storage resized back to its size),
+so memory freed by resizing a storage to zero (FSDP2, ``runtime.fsdp``) is seen as freed, which ``MemTracker``
+(which sizes a storage when it first sees it) cannot see. Frees of what existed before the step are not
+counted: clear gradients before calling it. Must never change what ``step`` computes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def step_peak_bytes(step, *holders) -> int:
     held = held_bytes(*holders)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
         step()
-    return held + max(_highest_total_allocated(profiler), 0)
+    return held + _highest_total_allocated(profiler)
 
 
 def held_bytes(*holders) -> int:
@@ -54,9 +54,9 @@ def _held_tensors(holders) -> list[torch.Tensor]:
 
 
 def _highest_total_allocated(profiler) -> int:
-    """The highest rise of "Total Allocated" over its value when the step began, from the CPU memory events of
-    the profiler's trace (the count goes on from earlier profiled steps: their allocations still live are not the
-    step's own)."""
+    """The highest count of bytes allocated since the profiler started and not yet freed, from the CPU memory
+    events of its trace (each allocation by address, each free matched to one; frees of older memory are not
+    the step's)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         profiler.export_chrome_trace(path)
@@ -64,8 +64,12 @@ def _highest_total_allocated(profiler) -> int:
             events = json.load(handle).get("traceEvents", [])
     memory = sorted((event["ts"], event["args"]) for event in events
                     if event.get("name") == "[memory]" and event.get("args", {}).get("Device Type", 0) == 0)
-    if not memory:
-        return 0
-    first = memory[0][1]
-    start = first["Total Allocated"] - first["Bytes"]
-    return max(args["Total Allocated"] for _, args in memory) - start
+    live, current, highest = {}, 0, 0
+    for _, args in memory:
+        if args["Bytes"] > 0:
+            live[args["Addr"]] = args["Bytes"]
+            current += args["Bytes"]
+            highest = max(highest, current)
+        else:
+            current -= live.pop(args["Addr"], 0)
+    return highest
