@@ -5,7 +5,8 @@ root) and at most 0.6x (2 ranks; 0.4x on 4) autopar's data parallelism's, for an
 GPT; the planner predicts that peak within 15%; and 3 AdamW steps equal one process (losses 1e-5 relative,
 parameters rtol 1e-4 / atol 1e-5). Peaks are the allocator's record (``testing.memory``), steps 2 and 3 (the
 optimizer state exists). ``reshard_after_forward=False`` runs as before (every parameter gathered once per step
-and kept until backward): equal to one process too, with a higher peak. Without ranks: which parameters form a
+and kept until backward): equal to one process too, with a higher peak. A second backward through a retained
+graph gathers the freed parameters again (gradients exactly doubled). Without ranks: which parameters form a
 group, and the option saved and loaded with the plan.
 """
 
@@ -168,3 +169,17 @@ def test_plan_saves_and_loads_reshard_after_forward(tmp_path, reshard):
                         reshard_after_forward=reshard)
     plan.save(tmp_path / "plan.json")
     assert plan.reshard_after_forward is reshard and autopar.Plan.load(tmp_path / "plan.json") == plan
+
+
+def _backward_twice(rank: int, world: int) -> float:
+    model = _model("blocks")
+    x, y = (t.chunk(world)[rank] for t in _batch("blocks", 0))
+    loss = _loss("blocks", autopar.compile(model, x, strategy="fully_shard", mode="eager")(x), y)
+    loss.backward(retain_graph=True)
+    first = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
+    loss.backward()
+    return max(float((p.grad.full_tensor() - 2 * first[name]).abs().max()) for name, p in model.named_parameters())
+
+
+def test_a_second_backward_through_a_retained_graph_gathers_again():
+    assert run_on_ranks(_backward_twice, 2, timeout_s=300) == [0.0, 0.0]

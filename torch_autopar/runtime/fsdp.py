@@ -80,7 +80,8 @@ class _Gathered:
 
 
 class _RegatherBeforeBackward(torch.autograd.Function):
-    """Identity on a group's outputs; its backward refills the group's gathered parameters (once per forward)."""
+    """Identity on a group's outputs; its backward refills the group's gathered parameters (every backward through
+    it: a second one, ``retain_graph=True``, finds them freed again by their gradient hooks)."""
 
     @staticmethod
     def forward(ctx, gathered, *outputs):
@@ -91,7 +92,6 @@ class _RegatherBeforeBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         for tensor in ctx.gathered:
             tensor.refill()
-        ctx.gathered = ()
         return (None, *grads)
 
 

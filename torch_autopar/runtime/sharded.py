@@ -3,7 +3,9 @@
 Eager: the user's ``forward`` runs op by op on DTensor parameters (prints and breakpoints work; a print shows
 a DTensor). Graph: the same function through ``torch.compile`` with the "autopar" backend; DTensor's ops are
 lowered to local aten ops and functional collectives in the captured graphs. Both run the same per-op rules,
-so they compute the same numbers. Must never plan, and never leave a parameter out of the optimizer: a
+so they compute the same numbers. A fully-sharded plan's eager calls gather each layer's parameters around its
+forward and backward only (``runtime.fsdp``; ``Plan.reshard_after_forward``); graph mode's program gathers them
+once per step. Must never plan, and never leave a parameter out of the optimizer: a
 parameter replaced by its sharded version is swapped in any optimizer that still holds the original.
 """
 
