@@ -56,19 +56,20 @@ def _held_tensors(holders) -> list[torch.Tensor]:
 def _highest_total_allocated(profiler) -> int:
     """The highest count of bytes allocated since the profiler started and not yet freed, from the CPU memory
     events of its trace (each allocation by address, each free matched to one; frees of older memory are not
-    the step's)."""
+    the step's; an address allocated again counts as freed first)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         profiler.export_chrome_trace(path)
         with open(path) as handle:
             events = json.load(handle).get("traceEvents", [])
-    memory = sorted((event["ts"], event["args"]) for event in events
-                    if event.get("name") == "[memory]" and event.get("args", {}).get("Device Type", 0) == 0)
+    memory = sorted(((event["ts"], event["args"]) for event in events
+                     if event.get("name") == "[memory]" and event.get("args", {}).get("Device Type", 0) == 0),
+                    key=lambda item: item[0])
     live, current, highest = {}, 0, 0
     for _, args in memory:
-        if args["Bytes"] > 0:
+        if args["Bytes"] > 0:  # an address allocated again was freed: some frees (other threads) have no event
+            current += args["Bytes"] - live.get(args["Addr"], 0)
             live[args["Addr"]] = args["Bytes"]
-            current += args["Bytes"]
             highest = max(highest, current)
         else:
             current -= live.pop(args["Addr"], 0)
