@@ -649,13 +649,13 @@ def safe_checkpoint_reader(path: str):
     return SafeReader(path)
 
 
-def measured_peak_bytes(module: torch.nn.Module, step: Callable[[], Any], *also) -> int:
+def measured_peak_bytes(module: torch.nn.Module, step: Callable[[], Any]) -> int:
     """Peak bytes allocated on the module's device while ``step()`` runs (parameters, gradients, activations,
-    temporaries, and what ``also`` holds: an optimizer's state), from PyTorch's ``MemTracker`` (works on CPU)."""
+    temporaries), from PyTorch's ``MemTracker`` (works on CPU)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
-    tracker.track_external(module, *also)
+    tracker.track_external(module)
     with tracker:
         step()
     snapshot = tracker.get_tracker_snapshot("peak")
