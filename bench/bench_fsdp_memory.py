@@ -154,7 +154,8 @@ def table(world: int, summary: dict) -> str:
         lines.append(f"{workload}:")
         for name in VARIANTS:
             predicted = data["predicted_mib_per_rank"].get(name)
-            guess = f" (predicted {predicted:7.2f}, {data['predicted_over_measured'][name] - 1:+.1%})" if predicted else ""
+            error = data["predicted_over_measured"].get(name, 1.0) - 1
+            guess = f" (predicted {predicted:7.2f}, {error:+.1%})" if predicted else ""
             lines.append(f"  {name:14s} peak {data['peak_mib_per_rank'][name]:7.2f}{guess:34s} "
                          f"step {data['median_step_ms'][name]:8.2f} ms")
         lines.append("  " + ", ".join(f"{k} {v:.2f}" for k, v in data["peak_ratios"].items())

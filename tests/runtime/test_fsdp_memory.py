@@ -95,7 +95,8 @@ def _run(rank: int, world: int, name: str, run: str) -> dict:
                                  reshard_after_forward=run != "keep_gathered")
         predicted = module.plan.peak_memory
     losses, peaks = _train(module, name, rank, world)
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in model.named_parameters()}
     return {"losses": losses, "peak": max(peaks[1:]), "predicted": predicted, "params": params}
 
 

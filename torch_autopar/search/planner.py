@@ -427,7 +427,8 @@ class Planner:
         backward (``runtime.fsdp``; groups of ``capture.layers.reshard_groups``); empty when the plan keeps them."""
         if not plan.reshard_after_forward or self.mode == "graph":
             return {}
-        groups = {group: [n for n in names if computed[n] != storage[n]] for group, names in reshard_groups(storage).items()}
+        groups = {group: [n for n in names if computed[n] != storage[n]]
+                  for group, names in reshard_groups(storage).items()}
         return {group: names for group, names in groups.items() if names}
 
     def _storage_memory(self, plan: Plan, storage: dict, computed: dict, regathered: dict) -> None:
@@ -438,7 +439,10 @@ class Planner:
         local = lambda name, placements: self.program.params[name].nbytes // self.cost.shard_factor(placements)  # noqa: E731
         held = sum(local(n, p) for n, p in storage.items())
         gathered = [n for n in storage if computed[n] != storage[n]]
-        whole = lambda names, dtype=self.param_dtype: sum(self._gathered_nbytes(n, computed[n], dtype) for n in names)  # noqa: E731
+
+        def whole(names, dtype=self.param_dtype) -> int:
+            return sum(self._gathered_nbytes(n, computed[n], dtype) for n in names)
+
         grouped = {name for names in regathered.values() for name in names}
         in_flight = max((whole([n], self.reduce_dtype) for n in grouped), default=0)
         if regathered:
