@@ -710,3 +710,24 @@ def pytree():
     import torch.utils._pytree as _pytree
 
     return _pytree
+
+
+def reparametrized(module: torch.nn.Module, tensors: dict):
+    """A context in which ``module``'s parameters named in ``tensors`` (relative names) are those tensors: what
+    ``torch.func.functional_call`` does around a call, for a forward that runs inside the module's own
+    ``forward`` (``torch.nn.utils.stateless._reparametrize_module``; no public form in torch 2.13)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, strict=False)
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (activation checkpointing then
+    recomputes a forward): ``torch._C._current_graph_task_id()`` is -1 outside one."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def keeping_version(tensor: torch.Tensor):
+    """A context in which writing into ``tensor`` leaves its version counter as it was, so autograd still accepts
+    the copies it saved (``torch.autograd._unsafe_preserve_version_counter``, as FSDP2 refills a parameter)."""
+    return torch.autograd._unsafe_preserve_version_counter(tensor)

@@ -47,7 +47,8 @@ def _capture(module, fake_args, fake_kwargs, policy):
 
 def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes,
                   executable: bool, solver: str = "auto", fold_layers: bool = False, mode: str = "eager",
-                  policy: precision.MixedPrecision | None = None, full_batch: bool = False):
+                  policy: precision.MixedPrecision | None = None, full_batch: bool = False,
+                  reshard_after_forward: bool = True):
     started = time.perf_counter()
     fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, batch_factor)
     with folded_layers(module, enabled=fold_layers) as folding:
@@ -57,7 +58,8 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
     result = build_plan(program, mesh, names, strategy=strategy, hardware=get_profile(hardware),
                         memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
                         global_batch=batch_size(fake_args, fake_kwargs), executable=executable, solver=solver,
-                        folding=folding, mode=mode, full_batch=full_batch, **precision.planned_dtypes(policy))
+                        folding=folding, mode=mode, full_batch=full_batch,
+                        reshard_after_forward=reshard_after_forward, **precision.planned_dtypes(policy))
     result.search_stats.update({"capture_s": captured - started, "total_s": time.perf_counter() - started})
     return result
 
@@ -66,7 +68,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
          memory_budget=None, axis_names=None, example_kwargs=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto", fold_layers: bool = True,
          pipeline=None, microbatches=None, schedule=None, mixed_precision=None, mode=None,
-         full_batch: bool = False) -> Plan:
+         full_batch: bool = False, reshard_after_forward: bool = True) -> Plan:
     """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK).
 
     mode: the mode the plan will run in ("eager" or "graph"; None: the global mode). A graph-mode plan is the
@@ -80,6 +82,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
     reductions in its reduce_dtype.
     full_batch: as in ``compile``: every rank passes the whole batch, so inputs arrive and outputs leave
     replicated (False: each rank passes its slice).
+    reshard_after_forward: as in ``compile``.
 
     pipeline="auto" plans ``strategy`` without a pipeline too and returns the faster of the two that fits."""
     check_strategy(strategy)
@@ -111,7 +114,8 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
         return _plan_on_mesh(model, _as_tuple(example_inputs), dict(example_kwargs or {}), mesh, batch_factor=1,
                              strategy=strategy, hardware=hardware, memory_budget=memory_budget,
                              bucket_cap_bytes=bucket_cap_bytes, executable=False, solver=solver,
-                             fold_layers=fold_layers, policy=policy, mode=mode or get_mode(), full_batch=full_batch)
+                             fold_layers=fold_layers, policy=policy, mode=mode or get_mode(), full_batch=full_batch,
+                             reshard_after_forward=reshard_after_forward)
 
 
 def _offline_pipeline_plan(model, args, options, world, hardware) -> Plan:
@@ -230,8 +234,10 @@ def _pipeline_options(pipeline, microbatches, schedule, strategy, loss_fn):
 class _Planner:
     """Plans a module for this job's ranks from the inputs of one call (this rank's slice)."""
 
-    def __init__(self, mesh, strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode=None, policy=None):
+    def __init__(self, mesh, strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode=None, policy=None,
+                 reshard_after_forward: bool = True):
         self.mesh, self.strategy, self.hardware, self.mode, self.policy = mesh, strategy, hardware, mode, policy
+        self.reshard_after_forward = reshard_after_forward
         self.memory_budget, self.full_batch, self.bucket_cap_bytes = memory_budget, full_batch, bucket_cap_bytes
 
     def __call__(self, module, args, kwargs) -> Plan:
@@ -284,7 +290,8 @@ class _Planner:
         return _plan_on_mesh(module, args, kwargs, mesh, batch_factor=factor, strategy=self.strategy,
                              hardware=self.hardware or "cpu-gloo", memory_budget=self.memory_budget,
                              bucket_cap_bytes=self.bucket_cap_bytes, executable=True, mode=self._mode(),
-                             policy=self.policy, full_batch=self.full_batch)
+                             policy=self.policy, full_batch=self.full_batch,
+                             reshard_after_forward=self.reshard_after_forward)
 
     def _mode(self) -> str:
         """The mode the module will run in (its own, else the global one at planning time)."""
@@ -303,7 +310,7 @@ def _check_options(strategy, mode, mesh) -> None:
 def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memory_budget=None, hardware=None,
             mode=None, full_batch: bool = False, example_kwargs=None,
             bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, activation_checkpointing=None, pipeline=None,
-            microbatches=None, schedule=None, loss_fn=None, mixed_precision=None):
+            microbatches=None, schedule=None, loss_fn=None, mixed_precision=None, reshard_after_forward: bool = True):
     """Plan ``model`` for this job's ranks and return a module that runs the plan (also a class decorator).
 
     example_inputs: what this rank will pass (its slice of the global batch); None plans at the first call.
@@ -323,11 +330,17 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     and compared with ``strategy`` planned without a pipeline; the faster that fits is built (a pipelined module,
     or the intra-op one, which has no ``step``: check ``pmodel.plan.pipeline_stages``). example_inputs are then
     this rank's slice as for data parallelism; once pipelined, ranks pass ``pmodel.data_parallel_size`` slices.
+    reshard_after_forward: a fully-sharded plan gathers its parameters per layer (each element of an
+    nn.ModuleList) just before the layer runs, frees them after its forward and gathers them again for its
+    backward (FSDP2's default: peak memory of one gathered layer, not of the whole model); False gathers them
+    once per step and keeps them until backward (less communication). Eager mode; a Plan passed as ``strategy``
+    carries its own (``plan.reshard_after_forward``).
     """
     options = dict(mesh=mesh, strategy=strategy, memory_budget=memory_budget, hardware=hardware, mode=mode,
                    full_batch=full_batch, bucket_cap_bytes=bucket_cap_bytes,
                    activation_checkpointing=activation_checkpointing, pipeline=pipeline,
-                   microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, mixed_precision=mixed_precision)
+                   microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, mixed_precision=mixed_precision,
+                   reshard_after_forward=reshard_after_forward)
     if model is None:
         return lambda target: compile(target, example_inputs, example_kwargs=example_kwargs, **options)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
@@ -347,7 +360,8 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     if isinstance(mesh, int):
         options["mesh"] = (mesh,)
     recompute.apply_activation_checkpointing(model, activation_checkpointing)
-    planner = _Planner(options["mesh"], strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode, policy)
+    planner = _Planner(options["mesh"], strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode, policy,
+                       reshard_after_forward)
     parallel = ParallelModule(model, planner=planner, mode=mode, full_batch=full_batch, mixed_precision=policy)
     if example_inputs is not None or example_kwargs:
         parallel.prepare(_as_tuple(example_inputs), dict(example_kwargs or {}))

@@ -115,3 +115,20 @@ def node_weights(program: CapturedProgram, folding) -> dict[fx.Node, int]:
         if layer is not None and (weight := folding.layer_weight(*layer)) != 1:
             weights[node] = weight
     return weights
+
+
+def reshard_groups(names) -> dict[str, list[str]]:
+    """Module name → the parameters gathered together by a fully-sharded plan that reshards after forward: each
+    layer instance ("blocks.3": an element of an ``nn.ModuleList``, what FSDP2 users wrap one by one); in a model
+    without one, each module that directly owns parameters. Parameters left out (embeddings, final norm, head:
+    parameters of the root) form the root group, gathered for the whole step (FSDP2's root does not reshard
+    after forward: backward needs it at once)."""
+    names = list(names)
+    layered = any(layer_of_param(name) for name in names)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        layer = layer_of_param(name)
+        owner = f"{layer[0]}.{layer[1]}" if layer else (name.rpartition(".")[0] if not layered else "")
+        if owner:
+            groups.setdefault(owner, []).append(name)
+    return groups

@@ -8,7 +8,10 @@ propagated, so the collectives that run are the ones the plan lists). The steps,
                          ensures:  each parameter is a DTensor with the plan's placements, whose full value is
                                    rank 0's parameter; buffers are replicated DTensors
   gathered_parameters    ensures:  parameters are moved to their compute layout for the forward (fully sharded:
-                                   all-gathered; their gradients flow back through the gather: reduce-scattered)
+                                   all-gathered; their gradients flow back through the gather: reduce-scattered);
+                                   in eager mode per layer, freed after its forward and gathered again for its
+                                   backward, unless the plan says otherwise (``Plan.reshard_after_forward``,
+                                   ``runtime.fsdp``)
   inputs_to_global       requires: each rank passes its own slice of the global batch (dim 0)
                          ensures:  DTensors in the plan's input layout (collectives only where that differs)
   outputs_to_local       ensures:  each rank gets the rows of the outputs that match its input slice; the

@@ -92,3 +92,11 @@ def _without_kv_cache(module: nn.Module) -> None:
     config = getattr(module, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False
+
+
+def wrap_inside_checkpoint(layer: nn.Module, wrap) -> None:
+    """Replace ``layer.forward`` by ``wrap(forward)``, inside the layer's activation checkpoint when it has one
+    (the recompute in backward then runs the wrapper too); a checkpoint applied later wraps it from outside."""
+    current = layer.forward
+    policy = getattr(current, "_autopar_checkpointed", None)
+    layer.forward = wrap(current) if policy is None else _checkpointed(wrap(current.__wrapped__), policy)

@@ -17,14 +17,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.fold import Folding
 from torch_autopar.capture.program import params_fingerprint
-from torch_autopar.capture.layers import node_weights
+from torch_autopar.capture.layers import node_weights, reshard_groups
 from torch_autopar.cost import CostModel, HardwareProfile
+from torch_autopar.cost.ops import is_free
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
@@ -50,6 +52,8 @@ BATCH_CHECK_BYTES = 16
 """The sharded runtime's per-step check that all ranks pass equal batch slices (two float64)."""
 FULL_BATCH_CHECK_BYTES = 32
 """Per input tensor, the check that all ranks pass the same full batch (two checksums and their negatives)."""
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+"""How a captured mixed-precision call casts a parameter (``runtime.precision.CastCall``)."""
 MAX_EXACT_EDGE_VARIABLES = 400_000
 """Above this many edge variables the exact solve is replaced by the fast propagation mode."""
 
@@ -168,7 +172,8 @@ class Planner:
                  memory_budget: int | None = None, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
                  global_batch: int | None = None, solver: str = "auto", time_limit_s: float = 60.0,
                  folding=None, mode: str = "eager", param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, full_batch: bool = False):
+                 reduce_dtype: torch.dtype | None = None, full_batch: bool = False,
+                 reshard_after_forward: bool = True):
         self.program, self.mesh, self.axis_names = program, mesh, tuple(axis_names)
         self.full_batch = full_batch
         """Every rank passes the whole batch: inputs arrive and outputs leave replicated (``strategies.boundary``)."""
@@ -187,6 +192,8 @@ class Planner:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         """Mixed precision (runtime.precision): the dtype parameters are gathered in and gradients reduced in
         (None: their own). Compute and activations are priced from the captured graph, which computes in it."""
+        self.reshard_after_forward = reshard_after_forward
+        """Plans made here gather fully-sharded parameters per group around forward and backward (``Plan``)."""
 
     # one candidate ----------------------------------------------------------------------------------------------
     def propagated(self, strategy: str) -> Plan:
@@ -387,7 +394,7 @@ class Planner:
             search_stats={"seed": strategy, "folded_layers": dict(fold.lengths)},
             node_layouts=layouts, module_layouts={} if local_compute else modules.module_layouts(program, layouts),
             param_compute_placements={} if local_compute else self._real_params(modules.compute_layouts(program, layouts)),
-            full_batch=self.full_batch,
+            full_batch=self.full_batch, reshard_after_forward=self.reshard_after_forward,
         )
 
     # what runs ---------------------------------------------------------------------------------------------------
@@ -438,8 +445,13 @@ class Planner:
             wanted = plan.input_placements.get(index)
             seeds[node] = parse_placements(wanted) if wanted else self._arrival(node)
         sharding = propagate(program, self.mesh, seeds, modules.pins(program, boundaries))
+        regathered = self._regathered(plan, params, computed)
+        again = {name for names in regathered.values() for name in names
+                 if read_by_backward(program, program.param_nodes[name])}
         for name, node in program.param_nodes.items():  # the gathers of the forward, once per step
             self._note_move(sharding, node, params[name], computed[name], False, self.param_dtype)
+            if name in again:  # and again for the group's backward, where backward reads them
+                self._note_move(sharding, node, params[name], computed[name], True, self.param_dtype)
         for node in program.input_nodes.values():
             self._note_move(sharding, node, self._arrival(node), seeds[node], False)
         for output in program.output_nodes.values():
@@ -455,7 +467,8 @@ class Planner:
             if spec is not None and hasattr(spec, "placements") and name in program.buffer_nodes:
                 self._note_move(sharding, update, spec.placements, replicate, False)
         result = self._plan(plan.strategy, sharding, params, bucket_cap_bytes=0, as_searched=False)
-        self._storage_memory(result, params, computed)
+        result.reshard_after_forward = plan.reshard_after_forward
+        self._storage_memory(result, params, computed, regathered)
         self._dispatch_overhead(result)
         result.collectives.append(self._batch_check())
         result.module_layouts = dict(boundaries)
@@ -511,17 +524,43 @@ class Planner:
         plan.notes.append(f"eager mode: DTensor dispatch of {ops} ops adds {seconds * 1e3:.2f} ms per step "
                           "(graph mode compiles it away)")
 
-    def _storage_memory(self, plan: Plan, storage: dict, computed: dict) -> None:
-        """Parameters, gradients and optimizer state are held in the storage layout; parameters gathered for
-        the forward are kept (by autograd, for backward) until the step ends."""
+    def _regathered(self, plan: Plan, storage: dict, computed: dict) -> dict[str, list[str]]:
+        """Group → its gathered parameters, for the groups eager mode frees after forward and gathers again for
+        backward (``runtime.fsdp``; groups of ``capture.layers.reshard_groups``); empty when the plan keeps them."""
+        if not plan.reshard_after_forward or self.mode == "graph":
+            return {}
+        groups = {group: [n for n in names if computed[n] != storage[n]]
+                  for group, names in reshard_groups(storage).items()}
+        return {group: names for group, names in groups.items() if names}
+
+    def _storage_memory(self, plan: Plan, storage: dict, computed: dict, regathered: dict) -> None:
+        """Parameters, gradients and optimizer state are held in the storage layout. Gathered parameters: kept
+        all (by autograd, for backward) they die as the gradients appear, so together the two never exceed the
+        larger; of ``regathered`` groups one is whole at a time, next to the root's and the gradients done so far,
+        plus the whole gradient of one parameter before its reduce-scatter."""
         local = lambda name, placements: self.program.params[name].nbytes // self.cost.shard_factor(placements)  # noqa: E731
         held = sum(local(n, p) for n, p in storage.items())
-        gathered = sum(local(n, computed[n]) - local(n, p) for n, p in storage.items())
+        gathered = [n for n in storage if computed[n] != storage[n]]
+
+        def whole(names, dtype=self.param_dtype) -> int:
+            return sum(self._gathered_nbytes(n, computed[n], dtype) for n in names)
+
+        grouped = {name for names in regathered.values() for name in names}
+        in_flight = max((whole([n], self.reduce_dtype) for n in grouped), default=0)
+        if regathered:
+            kept = whole(n for n in gathered if n not in grouped) + max(map(whole, regathered.values()))
+        else:
+            kept = max(whole(gathered) - held, 0)
         buffers = plan.memory_breakdown.get("parameters", 0) - sum(local(n, computed[n]) for n in storage)
-        plan.memory_breakdown = {"parameters": held + max(buffers, 0), "gathered_parameters": gathered,
-                                 "gradients": held, "optimizer": est.ADAM_STATE_PER_PARAM * held,
+        plan.memory_breakdown = {"parameters": held + max(buffers, 0), "gathered_parameters": kept,
+                                 "gradients": held, "gradients_in_flight": in_flight,
+                                 "optimizer": est.ADAM_STATE_PER_PARAM * held,
                                  "activations": plan.memory_breakdown.get("activations", 0)}
         plan.peak_memory = sum(plan.memory_breakdown.values())
+
+    def _gathered_nbytes(self, name: str, placements: tuple, dtype: torch.dtype | None) -> int:
+        """Bytes of parameter ``name`` (or its gradient) in ``placements`` and ``dtype`` (None: its own)."""
+        return _in_dtype(self.program.params[name], dtype) // self.cost.shard_factor(placements)
 
     @staticmethod
     def _note_move(sharding, node, source, target, backward: bool, dtype: torch.dtype | None = None) -> None:
@@ -614,16 +653,31 @@ def _off_plan_ops(program: CapturedProgram, planned: dict, ran: dict) -> list[st
     return off
 
 
+def read_by_backward(program: CapturedProgram, param: fx.Node) -> bool:
+    """Whether backward reads parameter ``param``'s value (itself, a view or its cast for mixed precision): then
+    autograd keeps the gathered copy, and a group that frees it after forward gathers it again for backward (a
+    weight whose input needs no gradient, a bias, is not read: ``runtime.fsdp`` does not gather those again)."""
+    pending = [param]
+    while pending:
+        for user in pending.pop().users:
+            if program.is_backward(user):
+                return True
+            if user.op == "call_function" and (is_free(user) or user.target in _CASTS):
+                pending.append(user)
+    return False
+
+
 def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strategy: str = "auto",
                hardware: HardwareProfile, memory_budget: int | None = None,
                bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, global_batch: int | None = None,
                executable: bool = False, solver: str = "auto", folding=None, mode: str = "eager",
                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-               full_batch: bool = False) -> Plan:
+               full_batch: bool = False, reshard_after_forward: bool = True) -> Plan:
     """The best plan for ``program`` on ``mesh`` among the candidates ``strategy`` allows."""
     planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
                       bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver, folding=folding,
-                      mode=mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype, full_batch=full_batch)
+                      mode=mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype, full_batch=full_batch,
+                      reshard_after_forward=reshard_after_forward)
     plan = planner.plan(strategy, executable=executable)
     if param_dtype is not None:
         plan.notes.append(f"mixed precision: compute and activations in {param_dtype}, gradient reductions in "

@@ -23,6 +23,22 @@ class MLP(nn.Module):
         return x
 
 
+class BlockMLP(nn.Module):
+    """Residual MLP blocks in an ``nn.ModuleList`` and a linear head: parameters dominate a training step's
+    memory (the fully-sharded memory tests and bench)."""
+
+    def __init__(self, n_blocks: int = 8, dim: int = 128, hidden: int = 512, out: int = 8):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+                                    for _ in range(n_blocks))
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 96
