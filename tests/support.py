@@ -20,6 +20,11 @@ STEPS = 3
 GLOBAL_BATCH = 8
 
 
+def by_case(results: list[dict]) -> dict:
+    """Per-rank results of a job that returns {case: outcome} → {case: [each rank's outcome]}."""
+    return {key: [result[key] for result in results] for key in results[0]}
+
+
 def outcome(fn, *args, **kwargs) -> tuple[str, object]:
     """("ok", value) or (exception type name, message): picklable, so ranks can report errors as data."""
     try:

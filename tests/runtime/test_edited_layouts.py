@@ -70,8 +70,7 @@ def _job(rank, world):
 
 @pytest.fixture(scope="module")
 def runs():
-    results = run_on_ranks(_job, WORLD, timeout_s=600)
-    return {key: [result[key] for result in results] for key in results[0]}
+    return support.by_case(run_on_ranks(_job, WORLD, timeout_s=600))
 
 
 @pytest.mark.parametrize("mode", MODES)

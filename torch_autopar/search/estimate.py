@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from torch_autopar.capture import CapturedProgram
@@ -158,3 +159,8 @@ def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding,
     saved = sum(local(node) for node in pricing.saved_for_backward(program))
     estimate.memory = {"parameters": params + buffers, "gradients": params,
                        "optimizer": ADAM_STATE_PER_PARAM * params, "activations": saved}
+
+
+def in_dtype(info, dtype: torch.dtype | None) -> int:
+    """Bytes of a tensor described by ``info`` once cast to ``dtype`` (None: as it is)."""
+    return info.nbytes if dtype is None else info.numel * dtype.itemsize

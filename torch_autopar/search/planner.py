@@ -12,48 +12,38 @@ its estimate, already bounds it. Must never run a collective.
 
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.fold import Folding
 from torch_autopar.capture.program import params_fingerprint
-from torch_autopar.capture.layers import node_weights, reshard_groups
+from torch_autopar.capture.layers import node_weights
 from torch_autopar.cost import CostModel, HardwareProfile
-from torch_autopar.cost.ops import is_free
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
+from torch_autopar.search.executed import Executing
+from torch_autopar.search.layer_rows import layer_rows
 from torch_autopar.search import module_layouts as modules
-from torch_autopar.search.layouts import node_layouts, sharding_from_layouts, with_program_boundary
+from torch_autopar.search.layouts import node_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
-from torch_autopar.search.plan import LayerRow, Plan, PlannedCollective, is_one_tensor_layout
+from torch_autopar.search.plan import Plan
 from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build_problem
 from torch_autopar.search.role_seeds import role_seeds
 from torch_autopar.search.solution import to_sharding
-from torch_autopar.strategies import Redistribution, Sharding, boundary, format_placements, parse_placements, propagate, seed_placements
+from torch_autopar.strategies import Sharding, format_placements, propagate, seed_placements
 from torch_autopar.strategies.enumerate import StrategySpace, enumerate_strategies
 from torch_autopar.strategies.placements import spec_for
-from torch_autopar.strategies.propagate import tangent_placements
 from torch_autopar.strategies.roles import axis_roles, leaf_filter
 
 STRATEGIES = ("auto", "data_parallel", "stand_alone", "fully_shard", "tensor_parallel", "fsdp_tp")
 """Names accepted as ``strategy=``; a ``Plan`` object is accepted too."""
 SEARCHED = ("auto", "fully_shard", "tensor_parallel", "fsdp_tp")
-ALL_AXES_SEPARATOR = "+"
-"""A collective over every rank is on axis "dp+tp" (the axis names joined)."""
-BATCH_CHECK_BYTES = 16
-"""The sharded runtime's per-step check that all ranks pass equal batch slices (two float64)."""
-FULL_BATCH_CHECK_BYTES = 32
-"""Per input tensor, the check that all ranks pass the same full batch (two checksums and their negatives)."""
-_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-"""How a captured mixed-precision call casts a parameter (``runtime.precision.CastCall``)."""
 MAX_EXACT_EDGE_VARIABLES = 400_000
 """Above this many edge variables the exact solve is replaced by the fast propagation mode."""
 
@@ -64,87 +54,6 @@ def check_strategy(strategy) -> None:
         return
     if strategy not in STRATEGIES:
         raise AutoparError(f"strategy={strategy!r} is not a known strategy; expected one of {STRATEGIES} or a Plan.")
-
-
-def _owner(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else "(root)"
-
-
-def _node_rows(program: CapturedProgram) -> dict:
-    """Attribute each node to the module of the first parameter it uses (directly or through views of the
-    parameter such as a transpose), else to the module of its first attributed input."""
-    owned = {node: _owner(name) for name, node in program.param_nodes.items()}  # parameters and their views
-    rows = dict(owned)
-    for node in program.graph.graph.nodes:
-        if node.op != "call_function":
-            continue
-        inputs = node.all_input_nodes
-        if inputs and all(a in owned for a in inputs):
-            owned[node] = owned[inputs[0]]
-        used = [owned[a] for a in inputs if a in owned]
-        inherited = [rows[a] for a in inputs if a in rows]
-        if used or inherited:
-            rows[node] = (used or inherited)[0]
-    return rows
-
-
-def _per_row_time(program: CapturedProgram, estimate, buckets, infos, fold) -> tuple[dict, dict]:
-    """Compute and communication seconds per captured module row (one instance of the module)."""
-    rows = _node_rows(program)
-    by_name = {node.name: node for node in program.graph.graph.nodes}
-    compute: dict[str, float] = {}
-    comm: dict[str, float] = {}
-    for node, seconds in estimate.node_seconds.items():
-        row = rows.get(node, "(other)")
-        compute[row] = compute.get(row, 0.0) + seconds
-    bucket_bytes = [sum(infos[n].nbytes for n in bucket) for bucket in buckets]
-    for c in estimate.collectives:
-        if c.phase == "grad_sync":
-            bucket = buckets[int(c.where.removeprefix("bucket"))]
-            for name in bucket:
-                row = _owner(fold.captured_name(name))
-                share = c.seconds * infos[name].nbytes / bucket_bytes[int(c.where.removeprefix("bucket"))]
-                comm[row] = comm.get(row, 0.0) + share / max(len(fold.real_names(fold.captured_name(name))), 1)
-        else:
-            row = rows.get(by_name.get(c.where), "(other)")
-            comm[row] = comm.get(row, 0.0) + c.seconds
-    return compute, comm
-
-
-def _activation_layouts(program: CapturedProgram, sharding) -> dict[str, str]:
-    """Per captured module row, how many of its ops' outputs lie in each layout ("S(0) x12, P(sum) x2")."""
-    counts: dict[str, dict[str, int]] = {}
-    for node, row in _node_rows(program).items():
-        spec = sharding.specs.get(node)
-        if node.op == "call_function" and hasattr(spec, "placements"):
-            layout = ",".join(format_placements(spec.placements))
-            counts.setdefault(row, {})[layout] = counts.setdefault(row, {}).get(layout, 0) + 1
-    return {row: ", ".join(f"{layout} x{n}" for layout, n in sorted(c.items(), key=lambda item: -item[1]))
-            for row, c in counts.items()}
-
-
-def _layer_rows(program: CapturedProgram, infos: dict, placements: dict, buckets, cost: CostModel, estimate,
-                fold, sharding) -> list[LayerRow]:
-    activations = _activation_layouts(program, sharding)
-    synced = {c.where for c in estimate.collectives if c.phase == "grad_sync"}
-    in_synced_bucket = {name for index, bucket in enumerate(buckets) if f"bucket{index}" in synced for name in bucket}
-    compute, comm = _per_row_time(program, estimate, buckets, infos, fold)
-    rows: dict[str, dict] = {}
-    for name, info in infos.items():
-        layer = _owner(name)
-        captured = _owner(fold.captured_name(name))
-        row = rows.setdefault(layer, {"numel": 0, "placements": set(), "sync": 0, "memory": 0,
-                                      "compute": compute.get(captured, 0.0), "comm": comm.get(captured, 0.0),
-                                      "activations": activations.get(captured, "")})
-        local = info.nbytes // cost.shard_factor(placements[name])
-        row["numel"] += info.numel
-        row["placements"].add(",".join(format_placements(placements[name])))
-        row["sync"] += info.nbytes if name in in_synced_bucket else 0
-        row["memory"] += local * (2 + est.ADAM_STATE_PER_PARAM)
-    return [LayerRow(name=layer, num_params=r["numel"], placements="/".join(sorted(r["placements"])),
-                     grad_sync_bytes=r["sync"], memory_bytes=r["memory"], compute_s=r["compute"], comm_s=r["comm"],
-                     activations=r["activations"])
-            for layer, r in rows.items()]
 
 
 @dataclass(kw_only=True)
@@ -165,7 +74,7 @@ class BuiltProblem:
         return self._solver
 
 
-class Planner:
+class Planner(Executing):
     """Plans one captured program on one mesh; ``plan(strategy)`` may be called for several strategies."""
 
     def __init__(self, program: CapturedProgram, mesh: DeviceMesh, axis_names, *, hardware: HardwareProfile,
@@ -373,7 +282,7 @@ class Planner:
                                 once_per_value=self.mode == "graph")
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
                           lambda name: program.grad_nodes.get(fold.captured_name(name)),
-                          {n: _in_dtype(info, self.reduce_dtype) for n, info in infos.items()}, placements,
+                          {n: est.in_dtype(info, self.reduce_dtype) for n, info in infos.items()}, placements,
                           self.axis_names)
         if graph_program:
             estimate.collectives.append(self._batch_check())
@@ -387,7 +296,7 @@ class Planner:
             hardware=self.cost.hardware.name, fingerprint=params_fingerprint(infos), global_batch=self.global_batch,
             param_placements={k: format_placements(v) for k, v in placements.items()},
             input_placements=inputs, grad_buckets=buckets, collectives=estimate.collectives,
-            layers=_layer_rows(program, infos, placements, buckets, self.cost, estimate, fold, sharding),
+            layers=layer_rows(program, infos, placements, buckets, self.cost, estimate, fold, sharding),
             replicated_ops=dict(sharding.replicated_ops), compute_time=estimate.compute,
             exposed_comm_time=estimate.exposed_comm, estimated_step_time=estimate.step_time,
             peak_memory=estimate.peak_memory, memory_breakdown=estimate.memory,
@@ -396,179 +305,6 @@ class Planner:
             param_compute_placements={} if local_compute else self._real_params(modules.compute_layouts(program, layouts)),
             full_batch=self.full_batch, reshard_after_forward=self.reshard_after_forward,
         )
-
-    # what runs ---------------------------------------------------------------------------------------------------
-    def executed(self, plan: Plan) -> Plan:
-        """``plan`` as the sharded runtime executes it, priced from what runs. Data-parallel plans run as planned
-        (bucketed all-reduces) and are returned as they are. In graph mode the per-rank program runs the plan's
-        node layouts (``_relaid``). In eager mode DTensor places each op from its inputs' layouts, the plan's
-        parameters and inputs, with each submodule's inputs and outputs moved to the plan's module layouts by
-        the runtime's hooks (``_dtensor_placed``)."""
-        if plan.is_data_parallel() or self.mesh.size() == 1:
-            return plan
-        laid_out = self._runs_as_laid_out(plan)
-        if self.mode == "graph" and laid_out:
-            return self._relaid(plan)
-        return self._dtensor_placed(plan, laid_out)
-
-    def _relaid(self, plan: Plan) -> Plan:
-        """The plan priced again from its own node layouts (what graph mode's program runs): equal to ``plan``
-        as searched, and the true price of a plan whose layouts were edited by hand."""
-        params = {name: parse_placements(plan.param_placements[name]) for name in self.program.param_nodes}
-        sharding = sharding_from_layouts(self.program, plan.node_layouts, self.mesh, self.full_batch)
-        result = self._plan(plan.strategy, sharding, params)
-        result.search_stats = dict(plan.search_stats)
-        result.notes = list(plan.notes)
-        if result.collectives != plan.collectives:
-            result.notes.append(f"priced from its node layouts: {len(result.collectives)} collectives, "
-                                f"{result.estimated_step_time * 1e3:.3f} ms per step (as given: {len(plan.collectives)}, "
-                                f"{plan.estimated_step_time * 1e3:.3f} ms)")
-        return result
-
-    def _dtensor_placed(self, plan: Plan, laid_out: bool) -> Plan:
-        """Eager execution: the propagation of DTensor's rules from the plan's parameter and input placements
-        (with a plan laid out for this program: each parameter moved to the layout its first op wants, and each
-        submodule's inputs and outputs to the plan's layouts, as the runtime's hooks move them), plus the layout
-        changes of the runtime itself: the batch arrives split over all ranks, batch outputs leave the same way
-        (their gradients come back so), other outputs leave replicated, and each gradient is moved into its
-        parameter's layout."""
-        boundaries = modules.module_layouts(self.program, plan.node_layouts) if laid_out else {}
-        arrival, replicate = boundary.batch_arrival(self.mesh.ndim), boundary.replicated(self.mesh.ndim)
-        program = self.program
-        params = {name: parse_placements(plan.param_placements[name]) for name in program.param_nodes}
-        first_input = parse_placements(plan.input_placements.get(0) or next(iter(plan.input_placements.values()), ()))
-        planned = {name: parse_placements(p) for name, p in modules.compute_layouts(program, plan.node_layouts).items()
-                   } if laid_out else {}
-        computed = boundary.compute_layouts(params, first_input, planned)
-        seeds = {program.param_nodes[name]: placements for name, placements in computed.items()}
-        for index, node in program.input_nodes.items():
-            wanted = plan.input_placements.get(index)
-            seeds[node] = parse_placements(wanted) if wanted else self._arrival(node)
-        sharding = propagate(program, self.mesh, seeds, modules.pins(program, boundaries))
-        regathered = self._regathered(plan, params, computed)
-        again = {name for names in regathered.values() for name in names
-                 if read_by_backward(program, program.param_nodes[name])}
-        for name, node in program.param_nodes.items():  # the gathers of the forward, once per step
-            self._note_move(sharding, node, params[name], computed[name], False, self.param_dtype)
-            if name in again:  # and again for the group's backward, where backward reads them
-                self._note_move(sharding, node, params[name], computed[name], True, self.param_dtype)
-        for node in program.input_nodes.values():
-            self._note_move(sharding, node, self._arrival(node), seeds[node], False)
-        for output in program.output_nodes.values():
-            value, spec = output.meta.get("val"), sharding.returned.get(output, sharding.specs.get(output))
-            if not isinstance(value, torch.Tensor) or spec is None:
-                continue
-            leaving = boundary.leaving(value, self.mesh.ndim, self.global_batch, self.full_batch)
-            self._note_move(sharding, output, spec.placements, leaving, False)
-            if leaving == arrival:
-                self._note_move(sharding, output, leaving, tangent_placements(spec.placements), True)
-        for name, update in program.buffer_updates.items():  # new running statistics written back, replicated
-            spec = sharding.specs.get(update)
-            if spec is not None and hasattr(spec, "placements") and name in program.buffer_nodes:
-                self._note_move(sharding, update, spec.placements, replicate, False)
-        result = self._plan(plan.strategy, sharding, params, bucket_cap_bytes=0, as_searched=False)
-        result.reshard_after_forward = plan.reshard_after_forward
-        self._storage_memory(result, params, computed, regathered)
-        self._dispatch_overhead(result)
-        result.collectives.append(self._batch_check())
-        result.module_layouts = dict(boundaries)
-        result.param_compute_placements = {name: format_placements(p) for name, p in computed.items()}
-        off_plan = _off_plan_ops(program, plan.node_layouts, result.node_layouts) if boundaries else []
-        result.search_stats = {**plan.search_stats, "planned_step_time": plan.estimated_step_time,
-                               "executed_as": "DTensor propagation of the plan's placements"
-                               + (" between its module boundaries" if boundaries else ""), "off_plan_ops": off_plan}
-        result.notes = plan.notes + [
-            "executed as DTensor places each op"
-            + (f" between the plan's {len(boundaries)} module boundaries" if boundaries else "")
-            + f": estimated {result.estimated_step_time * 1e3:.3f} ms per step (the search's own layout: "
-            f"{plan.estimated_step_time * 1e3:.3f} ms)"]
-        if off_plan:
-            result.notes.append(f"eager mode: {len(off_plan)} ops run in another layout than planned (priced as they "
-                                "run): " + ", ".join(off_plan[:8]) + (", ..." if len(off_plan) > 8 else ""))
-        return result
-
-    def _runs_as_laid_out(self, plan: Plan) -> bool:
-        """Whether ``plan``'s node layouts are this program's and agree with its parameter placements (a plan
-        edited by hand, or made on a folded capture, is executed as DTensor places its ops instead)."""
-        layouts = plan.node_layouts
-        nodes = [node for node in self.program.graph.graph.nodes if node.op == "call_function"]
-        if not layouts or any(node.name not in layouts for node in nodes):
-            return False
-        return all(layouts.get(node.name) is not None and layouts[node.name].output == tuple(plan.param_placements[name])
-                   for name, node in self.program.param_nodes.items())
-
-    def _arrival(self, node) -> tuple:
-        """The layout a user input arrives in (``strategies.boundary``): each rank's slice, or replicated when
-        every rank passes the whole batch."""
-        return boundary.arrival(node.meta["val"], self.mesh.ndim, self.full_batch)
-
-    def _batch_check(self) -> PlannedCollective:
-        """The sharded runtime's per-step input check: equal batch slices (16 bytes), or with full batches the
-        same batch on every rank (``runtime.checks.check_same_full_batch``: 32 bytes per input tensor)."""
-        tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in self.program.input_nodes.values())
-        nbytes, where = (FULL_BATCH_CHECK_BYTES * tensors, "full batch check") if self.full_batch else (
-            BATCH_CHECK_BYTES, "batch size check")
-        return PlannedCollective(kind="all_reduce", axis=ALL_AXES_SEPARATOR.join(self.axis_names), nbytes=nbytes,
-                                 phase="forward", where=where, seconds=self.cost.collective_time("all_reduce", 0, nbytes))
-
-    def _dispatch_overhead(self, plan: Plan) -> None:
-        """Eager sharded execution: every op of forward and backward goes through DTensor's dispatch."""
-        if self.mode == "graph":
-            return
-        ops = sum(self.weights.get(node, 1) for node in self.program.graph.graph.nodes
-                  if node.op == "call_function" and node.target is not operator.getitem)
-        seconds = ops * self.cost.hardware.dtensor_overhead_s
-        plan.compute_time += seconds
-        plan.estimated_step_time += seconds
-        plan.search_stats["dtensor_dispatch_s"] = seconds
-        plan.notes.append(f"eager mode: DTensor dispatch of {ops} ops adds {seconds * 1e3:.2f} ms per step "
-                          "(graph mode compiles it away)")
-
-    def _regathered(self, plan: Plan, storage: dict, computed: dict) -> dict[str, list[str]]:
-        """Group → its gathered parameters, for the groups eager mode frees after forward and gathers again for
-        backward (``runtime.fsdp``; groups of ``capture.layers.reshard_groups``); empty when the plan keeps them."""
-        if not plan.reshard_after_forward or self.mode == "graph":
-            return {}
-        groups = {group: [n for n in names if computed[n] != storage[n]]
-                  for group, names in reshard_groups(storage).items()}
-        return {group: names for group, names in groups.items() if names}
-
-    def _storage_memory(self, plan: Plan, storage: dict, computed: dict, regathered: dict) -> None:
-        """Parameters, gradients and optimizer state are held in the storage layout. Gathered parameters: kept
-        all (by autograd, for backward) they die as the gradients appear, so together the two never exceed the
-        larger; of ``regathered`` groups one is whole at a time, next to the root's and the gradients done so far,
-        plus the whole gradient of one parameter before its reduce-scatter."""
-        local = lambda name, placements: self.program.params[name].nbytes // self.cost.shard_factor(placements)  # noqa: E731
-        held = sum(local(n, p) for n, p in storage.items())
-        gathered = [n for n in storage if computed[n] != storage[n]]
-
-        def whole(names, dtype=self.param_dtype) -> int:
-            return sum(self._gathered_nbytes(n, computed[n], dtype) for n in names)
-
-        grouped = {name for names in regathered.values() for name in names}
-        in_flight = max((whole([n], self.reduce_dtype) for n in grouped), default=0)
-        if regathered:
-            kept = whole(n for n in gathered if n not in grouped) + max(map(whole, regathered.values()))
-        else:
-            kept = max(whole(gathered) - held, 0)
-        buffers = plan.memory_breakdown.get("parameters", 0) - sum(local(n, computed[n]) for n in storage)
-        plan.memory_breakdown = {"parameters": held + max(buffers, 0), "gathered_parameters": kept,
-                                 "gradients": held, "gradients_in_flight": in_flight,
-                                 "optimizer": est.ADAM_STATE_PER_PARAM * held,
-                                 "activations": plan.memory_breakdown.get("activations", 0)}
-        plan.peak_memory = sum(plan.memory_breakdown.values())
-
-    def _gathered_nbytes(self, name: str, placements: tuple, dtype: torch.dtype | None) -> int:
-        """Bytes of parameter ``name`` (or its gradient) in ``placements`` and ``dtype`` (None: its own)."""
-        return _in_dtype(self.program.params[name], dtype) // self.cost.shard_factor(placements)
-
-    @staticmethod
-    def _note_move(sharding, node, source, target, backward: bool, dtype: torch.dtype | None = None) -> None:
-        if tuple(source) != tuple(target):
-            value = node.meta["val"]
-            sharding.redistributions.append(Redistribution(
-                node=node.name, arg_index=-1, source=tuple(source), target=tuple(target),
-                global_nbytes=value.numel() * (dtype or value.dtype).itemsize, backward=backward))
 
     # choosing ---------------------------------------------------------------------------------------------------
     def plan(self, strategy: str, *, executable: bool = False) -> Plan:
@@ -642,31 +378,6 @@ class Planner:
         return min(fitting, key=lambda plan: plan.estimated_step_time)
 
 
-def _off_plan_ops(program: CapturedProgram, planned: dict, ran: dict) -> list[str]:
-    """Ops whose output layout as executed differs from the plan's ("addmm_1: S(0) instead of S(1)")."""
-    off = []
-    for node in program.graph.graph.nodes:
-        plan_layout, ran_layout = planned.get(node.name), ran.get(node.name)
-        if node.op == "call_function" and plan_layout is not None and ran_layout is not None \
-                and is_one_tensor_layout(plan_layout.output) and plan_layout.output != ran_layout.output:
-            off.append(f"{node.name}: {','.join(ran_layout.output)} instead of {','.join(plan_layout.output)}")
-    return off
-
-
-def read_by_backward(program: CapturedProgram, param: fx.Node) -> bool:
-    """Whether backward reads parameter ``param``'s value (itself, a view or its cast for mixed precision): then
-    autograd keeps the gathered copy, and a group that frees it after forward gathers it again for backward (a
-    weight whose input needs no gradient, a bias, is not read: ``runtime.fsdp`` does not gather those again)."""
-    pending = [param]
-    while pending:
-        for user in pending.pop().users:
-            if program.is_backward(user):
-                return True
-            if user.op == "call_function" and (is_free(user) or user.target in _CASTS):
-                pending.append(user)
-    return False
-
-
 def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strategy: str = "auto",
                hardware: HardwareProfile, memory_budget: int | None = None,
                bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, global_batch: int | None = None,
@@ -683,11 +394,6 @@ def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strate
         plan.notes.append(f"mixed precision: compute and activations in {param_dtype}, gradient reductions in "
                           f"{reduce_dtype}, parameters and optimizer state in their own dtype")
     return plan
-
-
-def _in_dtype(info, dtype: torch.dtype | None) -> int:
-    """Bytes of a tensor described by ``info`` once cast to ``dtype`` (None: as it is)."""
-    return info.nbytes if dtype is None else info.numel * dtype.itemsize
 
 
 def plan_from_parameters(params: dict, world_size: int, axis_names, *, strategy: str, reason: str,

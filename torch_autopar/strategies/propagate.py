@@ -227,25 +227,21 @@ class _Follower(_Propagator):
         return self._conformed(node, output, layout.output)
 
     def _moved(self, node: fx.Node, position: int, producer: fx.Node, wanted):
-        spec = self._spec_of(producer)
-        if not isinstance(spec, _compat.DTensorSpec) or not _one_tensor(wanted):
-            return spec
-        target = boundary.move_target(tuple(spec.placements), parse_placements(wanted))
-        if target == tuple(spec.placements):
-            return spec
-        self.result.redistributions.append(Redistribution(
-            node=node.name, arg_index=position, source=tuple(spec.placements), target=target,
-            global_nbytes=tensor_nbytes(producer.meta.get("val")), backward=self.program.is_backward(node)))
-        return spec_for(self.mesh, producer.meta["val"], target)
+        """Input ``position`` of ``node`` as the program moves it to ``wanted`` before the op."""
+        return self._move(node, position, self._spec_of(producer), wanted)
 
     def _conformed(self, node: fx.Node, spec, wanted):
+        """``node``'s output, left by its rule in ``spec``, as the program moves it to the plan's ``wanted``."""
+        return self._move(node, -1, spec, wanted)
+
+    def _move(self, node: fx.Node, arg_index: int, spec, wanted):
         if not isinstance(spec, _compat.DTensorSpec) or not _one_tensor(wanted):
             return spec
         target = boundary.move_target(tuple(spec.placements), parse_placements(wanted))
         if target == tuple(spec.placements):
             return spec
         self.result.redistributions.append(Redistribution(
-            node=node.name, arg_index=-1, source=tuple(spec.placements), target=target,
+            node=node.name, arg_index=arg_index, source=tuple(spec.placements), target=target,
             global_nbytes=_spec_nbytes(spec), backward=self.program.is_backward(node)))
         return _compat.DTensorSpec(self.mesh, target, spec.tensor_meta)
 
