@@ -18,7 +18,7 @@ from torch_autopar.capture.fold import folded_layers
 from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import get_profile
 from torch_autopar.errors import AutoparError
-from torch_autopar.rewrite.placement import batch_size, global_parameters
+from torch_autopar.rewrite.placement import batch_size
 from torch_autopar.runtime import ParallelModule, precision, recompute
 from torch_autopar.runtime.modes import MODES, get_mode
 from torch_autopar.runtime.pipeline import PipelineModule
@@ -260,12 +260,12 @@ class _Planner:
                                         bucket_cap_bytes=self.bucket_cap_bytes)
 
     def without_module_boundaries(self, module, args, kwargs, plan: Plan) -> Plan:
-        """``plan`` (sharded, running on ``module``) executed in eager mode as DTensor places every op, with no
-        submodule held to its layouts: what eager mode falls back to when DTensor cannot run those layouts."""
+        """``plan`` executed in eager mode as DTensor places every op, with no submodule held to its layouts: what
+        eager mode falls back to when DTensor cannot run those layouts (``module`` as a plain module: inside
+        ``ShardedRunner.as_plain_module``)."""
         world = launch.get_world_size()
-        with global_parameters(module):
-            return self._as_executed(module, args, kwargs, 1 if self.full_batch else world,
-                                     dataclasses.replace(plan, node_layouts={}, module_layouts={}))
+        return self._as_executed(module, args, kwargs, 1 if self.full_batch else world,
+                                 dataclasses.replace(plan, node_layouts={}, module_layouts={}))
 
     def _as_executed(self, module, args, kwargs, factor, plan: Plan | None = None) -> Plan:
         """A given sharded plan (``self.strategy`` unless given) with the collectives the runtime will run for

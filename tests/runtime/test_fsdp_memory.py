@@ -1,5 +1,6 @@
-"""Fully-sharded memory as FSDP2 has it (``runtime.fsdp``): on 2 and 4 gloo ranks, ``strategy="fully_shard"`` in
-eager mode gathers each block's parameters around its forward and backward only, so the peak memory of a
+"""Fully-sharded memory as FSDP2 has it (``runtime.fsdp``): on 2 and 4 gloo ranks, the fully_shard plan's
+placements with every parameter gathered for compute (as FSDP2 computes) in eager mode gather each block's
+parameters around its forward and backward only, so the peak memory of a
 training step per rank is at most 1.1x FSDP2's (``torch.distributed.fsdp.fully_shard`` on every block and the
 root) and at most 0.6x (2 ranks; 0.4x on 4) autopar's data parallelism's, for an 8-block MLP and the project's
 GPT; the planner predicts that peak within 15%; and 3 AdamW steps equal one process (losses 1e-5 relative,
@@ -84,15 +85,27 @@ def _fsdp2(model: nn.Module, world: int) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+def _gathering_plan(name: str, world: int, reshard_after_forward: bool) -> autopar.Plan:
+    """The fully_shard plan's parameter placements run as FSDP2 runs them: every parameter sharded over the
+    batch gathered for compute (a plan without node layouts; with them, eager mode computes each parameter in
+    the layout the search chose, which may keep a weight sharded and gather activations instead)."""
+    plan = autopar.plan(_model(name), (_batch(name, 0)[0],), mesh_shape=(world,), strategy="fully_shard",
+                        hardware="cpu-gloo", fold_layers=False, mode="eager",
+                        reshard_after_forward=reshard_after_forward)
+    plan.node_layouts, plan.module_layouts, plan.param_compute_placements = {}, {}, {}
+    return plan
+
+
 def _run(rank: int, world: int, name: str, run: str) -> dict:
     model = _model(name)
     x = _batch(name, 0)[0].chunk(world)[rank]
     if run == "fsdp2":
         module, predicted = _fsdp2(model, world), None
+    elif run == "data_parallel":
+        module = autopar.compile(model, x, strategy="data_parallel", mode="eager")
+        predicted = module.plan.peak_memory
     else:
-        strategy = "data_parallel" if run == "data_parallel" else "fully_shard"
-        module = autopar.compile(model, x, strategy=strategy, mode="eager",
-                                 reshard_after_forward=run != "keep_gathered")
+        module = autopar.compile(model, x, strategy=_gathering_plan(name, world, run != "keep_gathered"), mode="eager")
         predicted = module.plan.peak_memory
     losses, peaks = _train(module, name, rank, world)
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()

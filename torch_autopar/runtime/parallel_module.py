@@ -204,7 +204,8 @@ class ParallelModule(torch.nn.Module):
             if collective_failure(error, self._step(), "forward") is not None:
                 raise
             restore_point.restore()
-            plan = self._planner.without_module_boundaries(self.module, args, kwargs, self.plan)
+            with sharded.as_plain_module():
+                plan = self._planner.without_module_boundaries(self.module, args, kwargs, self.plan)
             sharded.drop_module_boundaries(plan)
             self.plan = plan
             warnings.warn(

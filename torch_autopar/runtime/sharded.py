@@ -13,6 +13,7 @@ original.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 
@@ -89,6 +90,20 @@ class ShardedRunner:
     @property
     def world_size(self) -> int:
         return self.mesh.size()
+
+    @contextlib.contextmanager
+    def as_plain_module(self):
+        """Inside, the module is the user's plain module again, for a capture: parameters and buffers plain
+        tensors of their global shapes, no group gathering its own (``placement.global_parameters``)."""
+        enabled = self.groups is not None and self.groups.enabled
+        if self.groups is not None:
+            self.groups.enabled = False
+        try:
+            with placement.global_parameters(self.module):
+                yield
+        finally:
+            if self.groups is not None:
+                self.groups.enabled = enabled
 
     def drop_module_boundaries(self, plan: Plan) -> None:
         """Run eager mode as DTensor places every op, ``plan`` being that execution (priced), instead of holding
