@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -26,11 +27,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import torch_autopar as autopar  # noqa: E402
 from bench.provenance import code_state, write_report  # noqa: E402
+from bench.timing import alternating_step_times  # noqa: E402
 from torch_autopar.testing import run_on_ranks  # noqa: E402
 from torch_autopar.testing.memory import step_peak_bytes  # noqa: E402
 from torch_autopar.testing.models import GPT, BlockMLP, GPTConfig, gpt2_init, gpt_loss  # noqa: E402
@@ -97,19 +98,8 @@ def _peak(variant, x, y, loss_fn) -> int:
 
 
 def _times(variants: dict, x, y, loss_fn, options: dict) -> dict:
-    times = {name: [] for name in variants}
-    names = list(variants)
-    for round_index in range(options["rounds"]):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            for _ in range(options["steps_per_round"]):
-                dist.barrier()
-                started = time.perf_counter()
-                _step(variants[name], x, y, loss_fn)
-                elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times[name].append(float(elapsed))
-    return times
+    steps = {name: functools.partial(_step, variant, x, y, loss_fn) for name, variant in variants.items()}
+    return alternating_step_times(steps, options["rounds"], options["steps_per_round"])
 
 
 def worker(rank: int, world: int, options: dict) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import resource
@@ -36,11 +37,11 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import torch_autopar as autopar  # noqa: E402
+from bench.timing import alternating_step_times  # noqa: E402
 from torch_autopar.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torch_autopar.testing import run_on_ranks  # noqa: E402
 from torch_autopar.testing.models import GPT, MLP, GPTConfig, gpt2_init, gpt_loss  # noqa: E402
@@ -212,18 +213,8 @@ def worker(rank, world, options):
             for _ in range(options["warmup"]):
                 _step(variant, loss_fn, batch, rank, world)
         comm = {name: counted_bytes(v, loss_fn, batch, rank, world) for name, v in variants.items()}
-        times = {name: [] for name in variants}
-        names = list(variants)
-        for round_index in range(options["rounds"]):
-            shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
-                for _ in range(options["steps_per_round"]):
-                    dist.barrier()
-                    started = time.perf_counter()
-                    _step(variants[name], loss_fn, batch, rank, world)
-                    elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    times[name].append(float(elapsed))
+        steps = {name: functools.partial(_step, v, loss_fn, batch, rank, world) for name, v in variants.items()}
+        times = alternating_step_times(steps, options["rounds"], options["steps_per_round"])
         plans = {name: {"strategy": v[0].plan.strategy, "candidate": v[0].plan.search_stats.get("candidate"),
                         "predicted_comm_bytes": v[0].plan.comm_bytes(),
                         "estimated_step_ms": v[0].plan.estimated_step_time * 1e3,
