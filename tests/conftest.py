@@ -8,15 +8,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torch_autopar.cost.job_profile import CACHE_ENV
 from torch_autopar.runtime import modes
 
 
 @pytest.fixture(autouse=True, scope="session")
-def clean_environment():
-    """No $AUTOPAR_MODE and no torchrun variables, also for the ranks module-scoped fixtures spawn."""
+def clean_environment(tmp_path_factory):
+    """No $AUTOPAR_MODE and no torchrun variables, also for the ranks module-scoped fixtures spawn; an empty
+    profile cache, so that a profile measured on this machine never changes what tests plan."""
     with pytest.MonkeyPatch.context() as patch:
         for name in ("AUTOPAR_MODE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             patch.delenv(name, raising=False)
+        patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("profile-cache")))
         yield
 
 

@@ -16,7 +16,8 @@ from torch_autopar import launch
 from torch_autopar.capture import capture, fake_global_inputs
 from torch_autopar.capture.fold import folded_layers
 from torch_autopar.capture.program import TensorInfo, params_fingerprint
-from torch_autopar.cost import get_profile
+from torch_autopar.cost import PROFILES
+from torch_autopar.cost.job_profile import job_profile
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite.placement import batch_size
 from torch_autopar.runtime import ParallelModule, precision, recompute
@@ -55,7 +56,7 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
         program = _capture(module, fake_args, fake_kwargs, policy)
     captured = time.perf_counter()
     names = mesh.mesh_dim_names or launch.default_axis_names(mesh.ndim)
-    result = build_plan(program, mesh, names, strategy=strategy, hardware=get_profile(hardware),
+    result = build_plan(program, mesh, names, strategy=strategy, hardware=job_profile(hardware),
                         memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
                         global_batch=batch_size(fake_args, fake_kwargs), executable=executable, solver=solver,
                         folding=folding, mode=mode, full_batch=full_batch,
@@ -71,6 +72,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
          full_batch: bool = False, reshard_after_forward: bool = True) -> Plan:
     """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK).
 
+    hardware: as in ``compile`` ("measured" measures this process's device once and caches it).
     mode: the mode the plan will run in ("eager" or "graph"; None: the global mode). A graph-mode plan is the
     per-rank program compile runs (its boundary moves, one collective per gradient): for the same model, mesh,
     hardware and batch it equals the plan ``compile(..., mode="graph")`` makes (with ``fold_layers=False``).
@@ -101,7 +103,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
                                       solver=solver, fold_layers=fold_layers)
             args = _as_tuple(example_inputs)
             return _searched_pipeline(model, args, options, intra, world=world, batch=batch_size(args, {}) or 0,
-                                      hardware=get_profile(hardware), memory_budget=memory_budget,
+                                      hardware=job_profile(hardware), memory_budget=memory_budget,
                                       layouts=_stage_layouts(strategy, runnable=False))[0]
         return _offline_pipeline_plan(model, _as_tuple(example_inputs), options, world, hardware)
     if isinstance(strategy, Plan):
@@ -124,7 +126,7 @@ def _offline_pipeline_plan(model, args, options, world, hardware) -> Plan:
     if batch is None or batch % dp:
         raise AutoparError(f"the global batch (dim 0: {batch}) must divide by the {dp} data-parallel replicas of "
                            f"a {options.ranks}-stage pipeline on {world} ranks; change the batch or pipeline=.")
-    return pipelining.pipeline_plan(model, args, options, world_size=world, hardware=get_profile(hardware),
+    return pipelining.pipeline_plan(model, args, options, world_size=world, hardware=job_profile(hardware),
                                     batch_per_rank=batch // dp, dp_share=dp).plan
 
 
@@ -178,7 +180,7 @@ def _pipeline_planner(options, hardware, given: Plan | None):
         if given is not None:
             given.check_compatible(module_fingerprint(module), world)
         return pipelining.pipeline_plan(module, args, options, world_size=world,
-                                        hardware=get_profile(hardware or "cpu-gloo"),
+                                        hardware=job_profile(hardware),
                                         batch_per_rank=batch_size(args, {}) or 0, given=given)
 
     return planner
@@ -206,7 +208,7 @@ def _compile_searched(model, example_inputs, options, strategy, hardware, memory
     planner = _Planner(None, strategy, hardware, memory_budget, False, bucket_cap_bytes, mode)
     plan, layout = _searched_pipeline(model, args, options, lambda: planner(model, args, {}), world=world,
                                       batch=batch, global_batch=batch * world,
-                                      hardware=get_profile(hardware or "cpu-gloo"), memory_budget=memory_budget,
+                                      hardware=job_profile(hardware), memory_budget=memory_budget,
                                       layouts=_stage_layouts(strategy, runnable=True))
     if layout is None:
         parallel = ParallelModule(model, plan, mode=mode)
@@ -274,8 +276,8 @@ class _Planner:
         mesh = launch.mesh.job_mesh(tuple(plan.mesh_shape), tuple(plan.axis_names))
         fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, factor)
         program = _capture(module, fake_args, fake_kwargs, self.policy)
-        hardware = plan.hardware if plan.hardware != "unknown" else (self.hardware or "cpu-gloo")
-        planner = Planner(program, mesh, plan.axis_names, hardware=get_profile(hardware),
+        hardware = plan.hardware if plan.hardware in PROFILES else self.hardware
+        planner = Planner(program, mesh, plan.axis_names, hardware=job_profile(hardware),
                           global_batch=batch_size(fake_args, fake_kwargs), mode=self._mode(),
                           full_batch=self.full_batch, **precision.planned_dtypes(self.policy))
         return planner.executed(plan)
@@ -288,7 +290,7 @@ class _Planner:
 
     def _plan(self, module, args, kwargs, mesh, factor) -> Plan:
         return _plan_on_mesh(module, args, kwargs, mesh, batch_factor=factor, strategy=self.strategy,
-                             hardware=self.hardware or "cpu-gloo", memory_budget=self.memory_budget,
+                             hardware=self.hardware, memory_budget=self.memory_budget,
                              bucket_cap_bytes=self.bucket_cap_bytes, executable=True, mode=self._mode(),
                              policy=self.policy, full_batch=self.full_batch,
                              reshard_after_forward=self.reshard_after_forward)
@@ -314,6 +316,9 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     """Plan ``model`` for this job's ranks and return a module that runs the plan (also a class decorator).
 
     example_inputs: what this rank will pass (its slice of the global batch); None plans at the first call.
+    hardware: the profile the cost model prices with (cost.job_profile): a built-in name, a JSON path or a
+    HardwareProfile; None: the profile measured on this machine for this job's shape if one is cached, else the
+    device's built-in one; "measured": that cached profile, measured by ``autopar.profile`` on first use.
     full_batch: every rank passes the whole global batch (as parallelize_module users call a model): a sharded
     plan takes it replicated and returns its outputs replicated, moving no batch slices; data parallelism
     computes this rank's slice and gathers the outputs.

@@ -76,7 +76,7 @@ def fit_alpha_beta(samples: list[Sample]) -> tuple[float, float]:
 
 
 # devices -----------------------------------------------------------------------------------------------------
-def _device() -> torch.device:
+def device_for_job() -> torch.device:
     if dist.is_initialized():
         backend = dist.get_backend()
         if backend == "nccl":
@@ -204,7 +204,7 @@ def _agree(values: torch.Tensor, op, device: torch.device) -> torch.Tensor:
 
 
 # the profile -------------------------------------------------------------------------------------------------
-def _base_profile(base, device: torch.device) -> HardwareProfile:
+def base_profile(base, device: torch.device) -> HardwareProfile:
     if base is not None:
         return get_profile(base)
     if device.type == "cuda":
@@ -245,14 +245,14 @@ def profile(path=None, *, sizes=DEFAULT_SIZES, base=None, matmul_size: int | Non
     sizes = _check_sizes(sizes)
     if repeats < 1:
         raise AutoparError(f"profile(repeats={repeats}): expected at least 1 timed repetition.")
-    device = _device()
-    base_profile = _base_profile(base, device)
+    device = device_for_job()
+    base = base_profile(base, device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     flops, bandwidth, overhead = _measure_device(device, matmul_size, copy_bytes, repeats)
     dtensor_overhead = float(_agree(torch.tensor([measure_dtensor_overhead(device, repeats)]), dist.ReduceOp.MAX,
                                     device)[0]) if world > 1 else 0.0
-    intra, inter = base_profile.intra_node, base_profile.inter_node
+    intra, inter = base.intra_node, base.inter_node
     source = "measured (compute only: one process, links from the base profile)"
     if world > 1:
         alpha, beta = fit_alpha_beta(measure_collectives(device, sizes, repeats))
@@ -263,11 +263,11 @@ def profile(path=None, *, sizes=DEFAULT_SIZES, base=None, matmul_size: int | Non
     backend = dist.get_backend() if dist.is_initialized() else detect_backend()
     result = HardwareProfile(
         name=f"measured-{backend}-{world}", flops={"float32": flops}, memory_bandwidth=bandwidth,
-        memory_bytes=_memory_capacity(device, base_profile, local_world),
-        devices_per_node=local_world if world > 1 else base_profile.devices_per_node,
+        memory_bytes=_memory_capacity(device, base, local_world),
+        devices_per_node=local_world if world > 1 else base.devices_per_node,
         intra_node=intra, inter_node=inter, compute_efficiency=1.0, comm_efficiency=1.0, op_overhead_s=overhead,
-        dtensor_overhead_s=dtensor_overhead if world > 1 else base_profile.dtensor_overhead_s,
-        source=f"{source}; base {base_profile.name}")
+        dtensor_overhead_s=dtensor_overhead if world > 1 else base.dtensor_overhead_s,
+        source=f"{source}; base {base.name}")
     if path is not None:
         _save(result, path)
     return result
