@@ -1,18 +1,23 @@
 """``autopar.profile()``: measured figures are positive and finite, in one process and on 2 gloo ranks (no
 assertion on how fast this machine is); rates are work over the timed seconds; the alpha-beta fit recovers a
-known link exactly; the saved JSON loads back with ``get_profile`` and plans."""
+known link exactly; the saved JSON loads back with ``get_profile`` and plans; skinny matmuls are priced at the
+fraction of the square rate their shape class reaches."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_autopar as autopar
 from torch_autopar.cost import CostModel, HardwareProfile, Link, get_profile
+from torch_autopar.cost.pricing import compute_seconds
 from torch_autopar.cost.profile import Sample, fit_alpha_beta, ring_terms
 from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.models import MLP
@@ -125,3 +130,46 @@ def test_profile_on_two_gloo_ranks(tmp_path):
     assert profile.intra_node != get_profile("cpu-gloo").intra_node  # measured, not the default
     assert profile.inter_node == get_profile("cpu-gloo").inter_node
     assert get_profile(path) == profile
+
+
+# matmul shape classes ----------------------------------------------------------------------------------------
+def test_profile_measures_the_fraction_of_the_square_rate_skinny_matmuls_reach(monkeypatch):
+    """Every timed call taking the same time, a matmul with one dimension s instead of n reaches s / n of the
+    square rate: the fractions come out exactly that, for both shape classes, ending at the square itself."""
+    monkeypatch.setattr(profile_module, "_best_time", lambda fn, device, repeats: 0.004)
+    n = SMALL["matmul_size"]
+    rates = autopar.profile(**SMALL).matmul_rates
+    expected = [[s, pytest.approx(s / n, rel=1e-9)] for s in profile_module.small_dimensions(n)] + [[n, 1.0]]
+    assert rates == {"rows": expected, "inner": expected}
+
+
+def test_matmul_fraction_reads_the_shape_class_of_the_small_dimension():
+    hardware = dataclasses.replace(get_profile("cpu-gloo"), matmul_rates={
+        "rows": [[16, 0.25], [256, 0.75], [1024, 1.0]], "inner": [[16, 0.5], [1024, 1.0]]})
+    assert hardware.matmul_fraction(16, 1024, 1024) == 0.25  # few rows
+    assert hardware.matmul_fraction(1024, 1024, 8) == 0.25  # few columns: same class, held flat below 16
+    assert hardware.matmul_fraction(64, 1024, 1024) == pytest.approx(0.5)  # halfway from 16 to 256 in log
+    assert hardware.matmul_fraction(1024, 16, 1024) == 0.5  # the summed dimension small
+    assert hardware.matmul_fraction(4096, 4096, 4096) == 1.0
+    assert get_profile("h100").matmul_fraction(16, 1024, 1024) == 1.0  # datasheet: no classes
+
+
+def _mm_node(rows: int):
+    graph = make_fx(torch.mm)(torch.empty(rows, 1024, device="meta"), torch.empty(1024, 1024, device="meta"))
+    return next(n for n in graph.graph.nodes if n.target == torch.ops.aten.mm.default)
+
+
+def test_a_skinny_matmul_is_priced_at_the_rate_its_shape_reaches():
+    compute_bound = dict(memory_bandwidth=1e30, op_overhead_s=0.0)
+    flat = dataclasses.replace(get_profile("cpu-gloo"), **compute_bound)
+    classed = dataclasses.replace(flat, matmul_rates={"rows": [[16, 0.25], [1024, 1.0]], "inner": []})
+    for rows, slower in ((16, 4.0), (1024, 1.0)):
+        node = _mm_node(rows)
+        times = [compute_seconds(node, 2 * rows * 1024 * 1024, [None, None], None, CostModel(h, (1,)))
+                 for h in (flat, classed)]
+        assert times[1] == pytest.approx(slower * times[0], rel=1e-12)
+    node = _mm_node(32)  # 32 rows sharded over 2 ranks: each computes 16 rows
+    sharded = [(Shard(0),), (Replicate(),)]
+    flops = 2 * 32 * 1024 * 1024
+    assert compute_seconds(node, flops, sharded, None, CostModel(classed, (2,))) == pytest.approx(
+        4 * compute_seconds(node, flops, sharded, None, CostModel(flat, (2,))), rel=1e-12)

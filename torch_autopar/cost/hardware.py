@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -44,9 +45,25 @@ class HardwareProfile:
     propagation and wrapping; graph mode compiles it away). Measured here on CPU with autograd: 20-30 µs per
     op (``autopar.profile`` measures it)."""
     source: str = "datasheet"
+    matmul_rates: dict = field(default_factory=dict)
+    """What a matmul with one small dimension reaches, as a fraction of the square matmul's rate (``flops``), by
+    shape class (``autopar.profile`` measures them): ``"rows"`` (an output dimension small: a batch of few rows,
+    the forward and input-gradient matmuls of a small batch) and ``"inner"`` (the summed dimension small: a
+    weight gradient over few rows), each a list of ``[small dimension, fraction]`` points, read off linearly in
+    log(dimension) and held flat beyond the ends. Empty (datasheet profiles, whose ``compute_efficiency`` scales
+    the peak): every matmul at the peak."""
 
     def peak_flops(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops["float32"]
+
+    def matmul_fraction(self, rows: int, inner: int, cols: int) -> float:
+        """Fraction of the peak a (rows x inner) @ (inner x cols) matmul reaches (see ``matmul_rates``)."""
+        outer = min(rows, cols)
+        kind, small = ("rows", outer) if outer <= inner else ("inner", inner)
+        points = sorted(self.matmul_rates.get(kind) or ())
+        if not points:
+            return 1.0
+        return _interpolated_in_log(points, max(small, 1))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -59,6 +76,17 @@ class HardwareProfile:
         data["intra_node"] = Link(**data["intra_node"])
         data["inter_node"] = Link(**data["inter_node"])
         return HardwareProfile(**data)
+
+
+def _interpolated_in_log(points, x: float) -> float:
+    """``points`` [(x, y), ...] sorted by x, read at ``x`` linearly in log(x); flat beyond the ends."""
+    if x <= points[0][0]:
+        return float(points[0][1])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            share = math.log(x / x0) / math.log(x1 / x0)
+            return float(y0 + share * (y1 - y0))
+    return float(points[-1][1])
 
 
 def _missing_and_unknown(data: dict, cls, prefix: str = "") -> tuple[list[str], list[str]]:

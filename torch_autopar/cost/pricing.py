@@ -38,7 +38,35 @@ def compute_seconds(node: fx.Node, flops: float, inputs, output, cost: CostModel
             split *= size
     accessed = sum(local_nbytes(a.meta.get("val"), p, cost) for a, p in zip(node.all_input_nodes, inputs))
     accessed += local_nbytes(node.meta.get("val"), output, cost)
-    return cost.compute_time(flops / split, accessed, dtype_name(node))
+    return cost.compute_time(flops / split / _matmul_fraction(node, inputs, cost), accessed, dtype_name(node))
+
+
+_MATMUL_OPERANDS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}
+"""Positional arguments that are the two multiplied matrices (or batches of them)."""
+
+
+def _matmul_fraction(node: fx.Node, inputs, cost: CostModel) -> float:
+    """Fraction of the peak a matmul reaches on this device's shards (``HardwareProfile.matmul_fraction``); 1
+    for every other op and for profiles without shape classes."""
+    name = getattr(node.target, "__name__", "").split(".")[0]
+    if name not in _MATMUL_OPERANDS or not cost.hardware.matmul_rates:
+        return 1.0
+    shapes = []
+    for index in _MATMUL_OPERANDS[name]:
+        operand = node.args[index] if index < len(node.args) else None
+        if not isinstance(operand, fx.Node) or not isinstance(operand.meta.get("val"), torch.Tensor):
+            return 1.0
+        shapes.append(_local_shape(operand.meta["val"].shape, inputs[node.all_input_nodes.index(operand)], cost))
+    left, right = shapes
+    return cost.hardware.matmul_fraction(left[-2], left[-1], right[-1])
+
+
+def _local_shape(shape, placements, cost: CostModel) -> list[int]:
+    local = list(shape)
+    for axis, placement in enumerate(placements or ()):
+        if is_sharded(placement):
+            local[placement.dim] = -(-local[placement.dim] // cost.mesh_shape[axis])
+    return local
 
 
 def reshard_seconds(source, target, global_nbytes: int, cost: CostModel) -> float:

@@ -1,7 +1,8 @@
 """``autopar.profile()``: measure the hardware at hand and return a ``HardwareProfile`` the planner accepts.
 
 What is measured, on every rank of the default process group (or in this process alone):
-  compute    fp32 matmul FLOP/s (best of a few n x n products: 2 n^3 FLOPs each)
+  compute    fp32 matmul FLOP/s (best of a few n x n products: 2 n^3 FLOPs each), and the fraction of it that
+             matmuls with one small dimension reach, by shape class (``HardwareProfile.matmul_rates``)
   memory     bandwidth of a large copy (read + write: 2 x bytes per copy)
   overhead   time of a tiny op (the per-op cost of the roofline)
   links      all_reduce and all_gather of several message sizes, fitted by least squares to the ring formulas
@@ -33,6 +34,13 @@ from torch_autopar.launch import detect_backend
 
 DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 """Collective message sizes in bytes (full buffer per rank)."""
+SMALL_DIMENSIONS = (16, 64, 256)
+"""The small dimension of the matmuls timed per shape class (a few rows of a batch up to a narrow layer)."""
+
+
+def small_dimensions(n: int) -> tuple[int, ...]:
+    """The ``SMALL_DIMENSIONS`` below the square matmul's size ``n``."""
+    return tuple(s for s in SMALL_DIMENSIONS if s < n)
 
 
 def ring_terms(kind: str, world: int) -> tuple[float, float]:
@@ -113,6 +121,18 @@ def measure_matmul_flops(device: torch.device, n: int, repeats: int, dtype=torch
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / _best_time(lambda: torch.mm(a, b), device, repeats)
+
+
+def measure_matmul_shape_rates(device: torch.device, n: int, repeats: int, dtype=torch.float32) -> dict:
+    """FLOP/s of matmuls with one small dimension s (``small_dimensions(n)``) and the others ``n``, by shape class
+    (``HardwareProfile.matmul_rates``): "rows" (s x n) @ (n x n), "inner" (n x s) @ (s x n)."""
+    rates: dict[str, list[float]] = {"rows": [], "inner": []}
+    for small in small_dimensions(n):
+        for kind, (left, right) in (("rows", ((small, n), (n, n))), ("inner", ((n, small), (small, n)))):
+            a = torch.randn(*left, device=device, dtype=dtype)
+            b = torch.randn(*right, device=device, dtype=dtype)
+            rates[kind].append(2 * small * n * n / _best_time(lambda: torch.mm(a, b), device, repeats))
+    return rates
 
 
 def measure_memory_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
@@ -249,7 +269,7 @@ def profile(path=None, *, sizes=DEFAULT_SIZES, base=None, matmul_size: int | Non
     base = base_profile(base, device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    flops, bandwidth, overhead = _measure_device(device, matmul_size, copy_bytes, repeats)
+    flops, bandwidth, overhead, matmul_rates = _measure_device(device, matmul_size, copy_bytes, repeats)
     dtensor_overhead = float(_agree(torch.tensor([measure_dtensor_overhead(device, repeats)]), dist.ReduceOp.MAX,
                                     device)[0]) if world > 1 else 0.0
     intra, inter = base.intra_node, base.inter_node
@@ -267,22 +287,34 @@ def profile(path=None, *, sizes=DEFAULT_SIZES, base=None, matmul_size: int | Non
         devices_per_node=local_world if world > 1 else base.devices_per_node,
         intra_node=intra, inter_node=inter, compute_efficiency=1.0, comm_efficiency=1.0, op_overhead_s=overhead,
         dtensor_overhead_s=dtensor_overhead if world > 1 else base.dtensor_overhead_s,
-        source=f"{source}; base {base.name}")
+        source=f"{source}; base {base.name}", matmul_rates=matmul_rates)
     if path is not None:
         _save(result, path)
     return result
 
 
-def _measure_device(device: torch.device, matmul_size, copy_bytes, repeats: int) -> tuple[float, float, float]:
-    """(FLOP/s, memory bytes/s, seconds per op) of the slowest rank."""
+def _measure_device(device: torch.device, matmul_size, copy_bytes, repeats: int):
+    """(FLOP/s, memory bytes/s, seconds per op, matmul_rates) of the slowest rank."""
     accelerated = device.type != "cpu"
+    n = matmul_size or (8192 if accelerated else 1024)
+    shapes = measure_matmul_shape_rates(device, n, repeats)
     rates = torch.tensor([
-        measure_matmul_flops(device, matmul_size or (8192 if accelerated else 1024), repeats),
+        measure_matmul_flops(device, n, repeats),
         measure_memory_bandwidth(device, copy_bytes or ((1 << 30) if accelerated else (64 << 20)), repeats),
-    ], dtype=torch.float32)
-    flops, bandwidth = (float(v) for v in _agree(rates, dist.ReduceOp.MIN, device))
+        *shapes["rows"], *shapes["inner"],
+    ], dtype=torch.float64)
+    flops, bandwidth, *shape_rates = (float(v) for v in _agree(rates, dist.ReduceOp.MIN, device))
     overhead = torch.tensor([measure_op_overhead(device, repeats)], dtype=torch.float32)
-    return flops, bandwidth, float(_agree(overhead, dist.ReduceOp.MAX, device)[0])
+    return flops, bandwidth, float(_agree(overhead, dist.ReduceOp.MAX, device)[0]), _fractions(shape_rates, flops, n)
+
+
+def _fractions(shape_rates: list[float], square_rate: float, n: int) -> dict:
+    """``HardwareProfile.matmul_rates`` from the rates ``measure_matmul_shape_rates`` gives ("rows" then "inner",
+    in ``small_dimensions(n)`` order): each over the square rate, with the square matmul itself as the last point."""
+    dims = small_dimensions(n)
+    count = len(dims)
+    return {kind: [[small, rate / square_rate] for small, rate in zip(dims, rates)] + [[n, 1.0]]
+            for kind, rates in (("rows", shape_rates[:count]), ("inner", shape_rates[count:]))}
 
 
 def _save(result: HardwareProfile, path) -> None:
