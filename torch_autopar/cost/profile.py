@@ -5,7 +5,8 @@ What is measured, on every rank of the default process group (or in this process
              matmuls with one small dimension reach, by shape class (``HardwareProfile.matmul_rates``)
   memory     bandwidth of a large copy (read + write: 2 x bytes per copy)
   overhead   time of a tiny op (the per-op cost of the roofline)
-  links      all_reduce and all_gather of several message sizes, fitted by least squares to the ring formulas
+  links      all_reduce and all_gather of several message sizes, each timed after a burst of compute as a
+             training step meets it (``_timed_collective``), fitted by least squares to the ring formulas
              of ``CostModel``: t = steps(p)·alpha + volume(p)·n·beta (all_reduce 2(p-1) and 2(p-1)/p,
              all_gather p-1 and (p-1)/p; n: full buffer bytes per rank, the output of all_gather).
 Ranks agree on one profile: the slowest rank's compute and the slowest rank's collective times count. The
@@ -180,7 +181,23 @@ def _numel(nbytes: int, world: int) -> int:
     return max(world, nbytes // 4 // world * world)
 
 
+def _compute_burst(device: torch.device):
+    """A few milliseconds of matmuls: what a rank computes between two collectives of a training step."""
+    n = 256 if device.type == "cpu" else 4096
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+    def run():
+        for _ in range(20):
+            torch.mm(a, b)
+    return run
+
+
 def _timed_collective(kind: str, nbytes: int, world: int, device: torch.device, repeats: int) -> float:
+    """Median seconds of one collective as a training step meets it: each repetition starts aligned (a barrier),
+    computes a burst, then runs the collective, timed from the end of this rank's burst to the collective's
+    end. So it counts what a step pays and an isolated collective does not: waiting for a peer whose compute
+    ends later, and buffers and communication threads gone cold while computing (on 2 gloo ranks on CPU a
+    1 MiB all_reduce takes several times its isolated time this way)."""
     numel = _numel(nbytes, world)
     if kind == "all_reduce":
         buffer = torch.ones(numel, device=device)
@@ -190,10 +207,12 @@ def _timed_collective(kind: str, nbytes: int, world: int, device: torch.device, 
         piece = torch.ones(numel // world, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
         run = lambda: gather(output, piece)  # noqa: E731
+    burst = _compute_burst(device)
     run()
     times = []
     for _ in range(repeats):
         dist.barrier()
+        burst()
         _sync(device)
         started = time.perf_counter()
         run()
