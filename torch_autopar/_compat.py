@@ -26,7 +26,8 @@ __all__ = [
     "export_joint", "input_kind", "grad_target", "tangent_output_index", "output_index",
     "propagate_sharding", "node_flops", "queue_backward_callback", "default_store", "fake_store",
     "aot_autograd_backend",
-    "register_dynamo_backend", "functional_all_reduce_inplace", "functional_wait_tensor", "DynamoUnsupported",
+    "register_dynamo_backend", "functional_all_reduce_inplace", "functional_all_reduce", "functional_reduce_scatter",
+    "functional_wait_tensor", "DynamoUnsupported",
     "safe_checkpoint_reader", "recording_ops", "pytree",
 ]
 
@@ -319,6 +320,18 @@ def functional_all_reduce_inplace():
     """The traceable, asynchronous in-place all-reduce op (``_c10d_functional.all_reduce_``) for graph passes;
     pair it with ``functional_wait_tensor``."""
     return torch.ops._c10d_functional.all_reduce_.default
+
+
+def functional_all_reduce():
+    """The traceable, asynchronous all-reduce op (``_c10d_functional.all_reduce``: input, reduce op, group name);
+    pair it with ``functional_wait_tensor``."""
+    return torch.ops._c10d_functional.all_reduce.default
+
+
+def functional_reduce_scatter():
+    """The traceable, asynchronous reduce-scatter op (``_c10d_functional.reduce_scatter_tensor``: input, reduce op,
+    group size, group name; dim 0 split); pair it with ``functional_wait_tensor``."""
+    return torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 
 def functional_wait_tensor():

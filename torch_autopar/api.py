@@ -279,6 +279,7 @@ class _Planner:
         hardware = plan.hardware if plan.hardware in PROFILES else self.hardware
         planner = Planner(program, mesh, plan.axis_names, hardware=job_profile(hardware),
                           global_batch=batch_size(fake_args, fake_kwargs), mode=self._mode(),
+                          bucket_cap_bytes=self.bucket_cap_bytes,
                           full_batch=self.full_batch, **precision.planned_dtypes(self.policy))
         return planner.executed(plan)
 

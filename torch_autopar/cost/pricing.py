@@ -1,16 +1,23 @@
-"""One set of pricing functions: a node's compute, a layout change, the exposed gradient sync, memory per device.
+"""One set of pricing functions: a node's compute, a layout change, the gradient sync and its buckets, memory
+per device.
 
 The MILP's objective (``search.problem``, ``search.milp``) and a plan's estimate (``search.estimate``) both price
-with these, so the solver optimises the number the plan reports. Must never choose a plan.
+with these, so the solver optimises the number the plan reports; graph mode's per-rank program lays out its
+gradient buckets with the same ``grad_reduction`` and ``bucket_slot_numel``, so the plan prices the buffers that
+run. Must never choose a plan.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from torch_autopar.capture import CapturedProgram
-from torch_autopar.cost.model import CostModel, is_sharded
+from torch_autopar.cost.model import CollectiveCost, CostModel, is_sharded
 from torch_autopar.cost.ops import dtype_name, is_free
 
 ADAM_STATE_PER_PARAM = 2
@@ -65,7 +72,7 @@ def _local_shape(shape, placements, cost: CostModel) -> list[int]:
     local = list(shape)
     for axis, placement in enumerate(placements or ()):
         if is_sharded(placement):
-            local[placement.dim] = -(-local[placement.dim] // cost.mesh_shape[axis])
+            local[placement.dim] = shard_chunk(local[placement.dim], cost.mesh_shape[axis])
     return local
 
 
@@ -75,6 +82,74 @@ def reshard_seconds(source, target, global_nbytes: int, cost: CostModel) -> floa
         return 0.0
     latency, per_byte = cost.reshard_coefficients(tuple(source), tuple(target))
     return latency + per_byte * global_nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class GradReduction:
+    """A gradient's sync as one collective on one mesh axis: its partial sum there reduced into a replica
+    ("all_reduce") or into this rank's chunk of tensor dim ``dim`` ("reduce_scatter")."""
+
+    kind: str
+    axis: int
+    dim: int | None = None
+
+
+def grad_reduction(source, target) -> GradReduction | None:
+    """The one collective that moves a gradient from ``source`` (the layout it is computed in) to ``target`` (its
+    parameter's), when that is all it takes: one mesh axis changes, from a partial sum to a replica or to a shard
+    of a dim no other axis shards. None otherwise (nothing moves, or a move of several steps): such a gradient
+    is moved on its own, never in a bucket. Gradients with equal dtype and reduction kind and axis share buckets
+    (``bucket_key``)."""
+    types = (Shard, Replicate, Partial)
+    if not all(type(p) in types for p in (*source, *target)):
+        return None
+    changed = [axis for axis, (have, want) in enumerate(zip(source, target)) if have != want]
+    if len(changed) != 1:
+        return None
+    axis = changed[0]
+    have, want = source[axis], target[axis]
+    if not have.is_partial() or have.reduce_op != "sum" or want.is_partial():
+        return None
+    if want.is_replicate():
+        return GradReduction("all_reduce", axis)
+    if any(isinstance(p, Shard) and p.dim == want.dim for other, p in enumerate(source) if other != axis):
+        return None
+    return GradReduction("reduce_scatter", axis, want.dim)
+
+
+def bucket_key(dtype, source, target) -> tuple | None:
+    """The key of the buckets a gradient computed in ``source`` (its parameter in ``target``) may share: (dtype,
+    collective kind, mesh axis); None when its sync is not one reduction (it moves alone)."""
+    reduction = None if source is None else grad_reduction(source, target)
+    return None if reduction is None else (dtype, reduction.kind, reduction.axis)
+
+
+def shard_chunk(size: int, ranks: int) -> int:
+    """Rows of the largest chunk when ``size`` rows are split over ``ranks`` (DTensor's ``Shard``, ``torch.chunk``)."""
+    return -(-size // ranks)
+
+
+def bucket_slot_numel(local_shape, reduction: GradReduction, axis_size: int) -> int:
+    """Elements one gradient (this rank's tensor of ``local_shape`` before the sync) takes in its bucket's flat
+    buffer: all of them for an all_reduce; for a reduce_scatter, ``axis_size`` equal chunks of its dim (the last
+    ones padded), one per rank."""
+    shape = list(local_shape)
+    if reduction.kind == "reduce_scatter":
+        shape[reduction.dim] = shard_chunk(shape[reduction.dim], axis_size) * axis_size
+    return math.prod(shape)
+
+
+def grad_bucket_collective(members, itemsize: int, cost: CostModel) -> CollectiveCost:
+    """The one collective of a bucket of gradients reduced the same way (kind and mesh axis): ``members`` are each
+    gradient's (global shape, placements it is computed in, its ``GradReduction``), ``itemsize`` bytes an element.
+    Its bytes are the flat buffer's on one rank (of the largest local shards)."""
+    kinds = {(reduction.kind, reduction.axis) for _, _, reduction in members}
+    if len(kinds) != 1:
+        raise AssertionError(f"a gradient bucket reduced in several ways: {sorted(kinds)}")
+    (kind, axis), = kinds
+    numel = sum(bucket_slot_numel(_local_shape(shape, source, cost), reduction, cost.mesh_shape[axis])
+                for shape, source, reduction in members)
+    return CollectiveCost(kind, axis, numel * itemsize)
 
 
 def exposed_grad_sync(total: float, last: float, backward: float) -> float:

@@ -11,8 +11,9 @@ node's ``NodeLayout``, ``trace_program`` traces a program on this rank's local s
   - each op runs on local tensors with local shapes; an output that leaves the op in another layout than the
     plan's is moved to the plan's and reported (``unplanned``);
   - outputs with the batch as dim 0 leave as this rank's rows, others (and all of a full batch's) replicated
-    (``placement.leaving``); each gradient leaves in its parameter's layout as soon as it is computed (its
-    collective issued there).
+    (``placement.leaving``); each gradient leaves in its parameter's layout: the plan's buckets of gradients
+    (``rewrite.grad_buckets``) are each reduced by one collective issued as soon as the bucket's last gradient
+    is computed and waited for at the output; a gradient outside them moves on its own as soon as it exists.
 DTensor is used while tracing only: the traced program holds plain aten ops and functional collectives, so
 nothing at run time can miss a sharding rule. AOTAutograd then partitions it into forward and backward graphs
 for the backend's compilers. Must never choose a layout (the plan does) and never communicate while tracing.
@@ -34,6 +35,7 @@ from torch_autopar import _compat
 from torch_autopar.capture.program import _CapturableOutputs, fake_global_inputs
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import placement
+from torch_autopar.rewrite.grad_buckets import GradBuckets
 from torch_autopar.search.plan import Plan
 from torch_autopar.strategies import boundary
 from torch_autopar.strategies.placements import format_placements, parse_placements
@@ -80,10 +82,12 @@ class _Rewriter(fx.Interpreter):
     """Runs the joint graph on DTensors whose layouts follow the plan (under ``make_fx``: traced, not run)."""
 
     def __init__(self, graph_module: fx.GraphModule, plan: Plan, mesh: DeviceMesh, arrival: dict, leaving: dict,
-                 batch_tangents: set, grad_layouts: dict):
+                 batch_tangents: set, grads: dict):
         super().__init__(graph_module, garbage_collect_values=True)
         self.plan, self.mesh = plan, mesh
-        self.arrival, self.leaving, self.batch_tangents, self.grad_layouts = arrival, leaving, batch_tangents, grad_layouts
+        self.arrival, self.leaving, self.batch_tangents = arrival, leaving, batch_tangents
+        self.grad_layouts = {node: placements for node, (_, placements) in grads.items()}
+        self.buckets = GradBuckets(plan.grad_buckets, grads, mesh)
         self.moved: dict[tuple[fx.Node, tuple], DTensor] = {}
         self.report = ProgramReport()
         self.node: fx.Node | None = None
@@ -124,14 +128,18 @@ class _Rewriter(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         node = self.node
         if target is operator.getitem:
-            return self._conform(node, args[0][args[1]])
+            return self._synced(node, self._conform(node, args[0][args[1]]))
         layout = self.plan.node_layouts.get(node.name)
         wanted = layout.inputs if layout is not None else (None,) * len(node.all_input_nodes)
         moved = {producer: self._move(producer, self._value(producer), want and parse_placements(want))
                  for producer, want in zip(node.all_input_nodes, wanted)}
         call_args, call_kwargs = fx.node.map_arg((node.args, node.kwargs), moved.__getitem__)
-        output = self._conform(node, target(*call_args, **call_kwargs))
-        if node in self.grad_layouts:  # the gradient's collective, issued as soon as the gradient exists
+        return self._synced(node, self._conform(node, target(*call_args, **call_kwargs)))
+
+    def _synced(self, node: fx.Node, output):
+        """``output``; when it is a gradient, its collective issued as soon as it exists: its bucket's, once the
+        bucket is complete (``rewrite.grad_buckets``), else its own move."""
+        if node in self.grad_layouts and not self.buckets.add(node, output):
             self._move(node, output, self.grad_layouts[node])
         return output
 
@@ -144,7 +152,8 @@ class _Rewriter(fx.Interpreter):
             return value
         key = (producer, target)
         if key not in self.moved:
-            self.moved[key] = value.redistribute(self.mesh, target)
+            bucketed = self.buckets.result(producer, target)
+            self.moved[key] = bucketed if bucketed is not None else value.redistribute(self.mesh, target)
         return self.moved[key]
 
     def _conform(self, node: fx.Node, output):
@@ -213,8 +222,8 @@ def _arrivals(graph_module: fx.GraphModule, plan: Plan, mesh: DeviceMesh, leavin
 
 
 def _leaving(graph_module: fx.GraphModule, plan: Plan, mesh: DeviceMesh, global_batch: int | None):
-    """(output position → layout of forward outputs, output index → the same, gradient node → its parameter's
-    layout)."""
+    """(output position → layout of forward outputs, output index → the same, gradient node → (its parameter's
+    name, that parameter's layout))."""
     output = graph_module.graph.find_nodes(op="output")[0]
     by_position, by_index, grads = {}, {}, {}
     for position, (producer, desc) in enumerate(zip(output.args[0], output.meta["desc"])):
@@ -222,7 +231,7 @@ def _leaving(graph_module: fx.GraphModule, plan: Plan, mesh: DeviceMesh, global_
         if (index := _compat.output_index(desc)) is not None and isinstance(value, torch.Tensor):
             by_position[position] = by_index[index] = placement.leaving(value, mesh, global_batch, plan.full_batch)
         elif (name := _compat.grad_target(desc)) is not None and name in plan.param_placements:
-            grads[producer] = parse_placements(plan.param_placements[name])
+            grads[producer] = (name, parse_placements(plan.param_placements[name]))
     return by_position, by_index, grads
 
 

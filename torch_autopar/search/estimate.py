@@ -121,21 +121,38 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
 
 
 def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, buckets: list[list[str]],
-                  grad_node, param_nbytes: dict, param_placements: dict, axis_names) -> None:
-    """One collective per bucket and mesh axis on which the gradients are not yet in their parameter's layout.
+                  grad_node, params: dict, reduce_dtype: torch.dtype | None, param_placements: dict,
+                  axis_names) -> None:
+    """One collective per bucket and mesh axis on which the gradients are not yet in their parameter's layout: a
+    bucket whose sync is one reduction (``cost.pricing.grad_reduction``) is one flat buffer of the bytes
+    ``cost.pricing.grad_bucket_collective`` prices, as graph mode's program lays it out.
 
-    ``grad_node(name)``: the captured node computing parameter ``name``'s gradient (None: no gradient)."""
+    ``grad_node(name)``: the captured node computing parameter ``name``'s gradient (None: no gradient);
+    ``params``: name → ``TensorInfo``; ``reduce_dtype``: the dtype gradients are reduced in (None: their own)."""
     for index, bucket in enumerate(buckets):
         first = grad_node(bucket[0])
         if first is None:
             continue
-        nbytes = sum(param_nbytes[name] for name in bucket)
+        source, target = sharding.specs[first].placements, param_placements[bucket[0]]
+        members = [(params[name].shape, _grad_layout(sharding, grad_node(name)), param_placements[name])
+                   for name in bucket]
+        keys = {pricing.bucket_key(None, have, want) for _, have, want in members}
+        if None in keys or len(keys) != 1:  # not one reduction: moved as the layouts of its first gradient say
+            moves = cost.moves(source, target, sum(in_dtype(params[name], reduce_dtype) for name in bucket))
+        else:
+            itemsize = (reduce_dtype or getattr(torch, params[bucket[0]].dtype)).itemsize
+            moves = [pricing.grad_bucket_collective(
+                [(shape, have, pricing.grad_reduction(have, want)) for shape, have, want in members], itemsize, cost)]
         synced = [PlannedCollective(kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes, phase="grad_sync",
                                     where=f"bucket{index}", seconds=cost.collective_time(c.kind, c.axis, c.nbytes))
-                  for c in cost.moves(sharding.specs[first].placements, param_placements[bucket[0]], nbytes)]
+                  for c in moves]
         estimate.collectives += synced
         if index == len(buckets) - 1:
             estimate.last_grad_sync = sum(c.seconds for c in synced)
+
+
+def _grad_layout(sharding: Sharding, node: fx.Node | None):
+    return None if node is None else _placements(sharding.specs.get(node))
 
 
 def add_exposed_comm(estimate: Estimate) -> None:

@@ -23,7 +23,7 @@ from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.fold import Folding
 from torch_autopar.capture.program import params_fingerprint
 from torch_autopar.capture.layers import node_weights
-from torch_autopar.cost import CostModel, HardwareProfile
+from torch_autopar.cost import CostModel, HardwareProfile, pricing
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
@@ -258,19 +258,21 @@ class Planner(Executing):
     def _plan(self, strategy: str, sharding, captured_placements: dict, bucket_cap_bytes: int | None = None,
               local_compute: bool = False, as_searched: bool = True) -> Plan:
         """The plan of ``sharding``. In graph mode a sharded placement the search chose (``as_searched``) is what
-        the per-rank program runs: with the program's boundary moves, each gradient reduced on its own and the
-        batch-size check."""
+        the per-rank program runs: with the program's boundary moves, its gradient buckets (up to the planner's
+        cap; only gradients synced by one reduction share one, ``_bucket_keys``) and the batch-size check."""
         program, fold = self.program, self.folding
         graph_program = as_searched and self.mode == "graph" and not local_compute and self.mesh.size() > 1
         if graph_program:
             sharding = with_program_boundary(program, sharding, self.mesh.ndim, self.global_batch, self.full_batch)
-            bucket_cap_bytes = 0
+            bucket_cap_bytes = self.bucket_cap_bytes
         ready = fold.real_order(program.grad_ready_order())
         infos = self._real_params(program.params)
         placements = self._real_params(captured_placements)
         grad_layout = lambda n: getattr(sharding.specs.get(program.grad_nodes.get(fold.captured_name(n))),  # noqa: E731
                                         "placements", None)
         groups = {n: (infos[n].dtype, tuple(placements[n]), grad_layout(n)) for n in ready}
+        if graph_program:
+            groups = _bucket_keys(groups)
         cap = self.bucket_cap_bytes if bucket_cap_bytes is None else bucket_cap_bytes
         buckets = assign_buckets(ready, {n: infos[n].nbytes for n in ready}, cap, groups)
         estimate = est.Estimate(weights=self.weights)
@@ -281,9 +283,8 @@ class Planner(Executing):
         est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names,
                                 once_per_value=self.mode == "graph")
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
-                          lambda name: program.grad_nodes.get(fold.captured_name(name)),
-                          {n: est.in_dtype(info, self.reduce_dtype) for n, info in infos.items()}, placements,
-                          self.axis_names)
+                          lambda name: program.grad_nodes.get(fold.captured_name(name)), infos, self.reduce_dtype,
+                          placements, self.axis_names)
         if graph_program:
             estimate.collectives.append(self._batch_check())
         est.add_exposed_comm(estimate)
@@ -376,6 +377,14 @@ class Planner(Executing):
                 "devices, or a smaller batch."
             )
         return min(fitting, key=lambda plan: plan.estimated_step_time)
+
+
+def _bucket_keys(groups: dict) -> dict:
+    """Graph mode's bucket key per gradient, from its (dtype, parameter layout, gradient layout): gradients whose
+    sync is one reduction share buckets by its kind and mesh axis (``cost.pricing.bucket_key``); any other gets a
+    key of its own (the program moves it alone)."""
+    return {name: pricing.bucket_key(dtype, source, target) or (name,)
+            for name, (dtype, target, source) in groups.items()}
 
 
 def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strategy: str = "auto",
