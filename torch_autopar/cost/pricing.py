@@ -152,17 +152,6 @@ def grad_bucket_collective(members, itemsize: int, cost: CostModel) -> Collectiv
     return CollectiveCost(kind, axis, numel * itemsize)
 
 
-def bucket_latency_share(nbytes: int, cap_bytes: int, gradients: int) -> float:
-    """The share of one collective's latency that a gradient of ``nbytes`` reduced in buckets of ``cap_bytes``
-    pays (one latency per bucket, ``grad_bucket_collective``): its share of a full bucket, at least 1/``gradients``
-    (all of them in one bucket), at most 1 (a bucket of its own; ``cap_bytes=0``: every gradient alone). The
-    MILP prices each gradient's sync with it, since which gradients share a bucket depends on the layouts it
-    chooses; a plan's estimate prices the buckets themselves."""
-    if cap_bytes <= 0:
-        return 1.0
-    return min(1.0, max(nbytes / cap_bytes, 1.0 / max(gradients, 1)))
-
-
 def exposed_grad_sync(total: float, last: float, backward: float) -> float:
     """Gradient synchronisation left on the step: each gradient's sync overlaps the backward compute still to
     come, except the sync of the gradient ready last (``last``), which nothing follows."""

@@ -160,9 +160,7 @@ class Planner(Executing):
         generated = time.perf_counter()
         limit = MAX_EXACT_EDGE_VARIABLES if self.solver == "auto" else float("inf")
         try:
-            bucketed = self.bucket_cap_bytes if self.mode == "graph" else 0  # eager: DTensor moves each alone
-            problem = build_problem(self.program, space, self.cost, self._arrival, self.budget, self.weights, limit,
-                                    bucketed)
+            problem = build_problem(self.program, space, self.cost, self._arrival, self.budget, self.weights, limit)
             edge_variables = problem.size()[1]
         except ProblemTooLarge as too_large:
             problem, edge_variables = None, too_large.edge_variables
@@ -193,7 +191,7 @@ class Planner(Executing):
             sharding = to_sharding(self.program, problem, solution.choice, self.mesh, built.space.replicated_ops,
                                    self._arrival)
             params = {n: sharding.specs[node].placements for n, node in self.program.param_nodes.items()}
-            # eager mode: each gradient synced on its own, as DTensor moves it (graph mode: the program's buckets)
+            # each gradient synced on its own, as the MILP prices it and the sharded runtime moves it
             plan = self._plan(name, sharding, params, bucket_cap_bytes=0)
             plan.search_stats.update({
                 "mode": "exact", "decisions": len(problem.decisions), "variables": solution.num_variables,

@@ -115,22 +115,11 @@ class ReshardTable:
             self.pairs[i, j] = (0.0, 0.0) if same else self.cost.reshard_coefficients(source, target)
         return self.pairs[i, j]
 
-    def bucketed(self, i: int, j: int) -> bool:
-        """Whether a gradient in placements ``i`` is synced to ``j`` by one reduction (it may share a bucket)."""
-        source, target = self.placements[i], self.placements[j]
-        return source is not None and target is not None and pricing.grad_reduction(source, target) is not None
-
-    def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int, latency_share: float = 1.0) -> np.ndarray:
-        """Seconds per (row, column) pair; ``latency_share``: the share of the latency a gradient pays where its
-        sync is one reduction (``cost.pricing.bucket_latency_share``)."""
+    def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int) -> np.ndarray:
         if nbytes == 0:
             return np.zeros((len(rows), len(cols)))
         grid = np.array([[self.coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 2)
-        latency = grid[..., 0]
-        if latency_share != 1.0:
-            shares = np.array([[latency_share if self.bucketed(i, j) else 1.0 for j in cols] for i in rows])
-            latency = latency * shares.reshape(len(rows), len(cols))
-        return latency + grid[..., 1] * nbytes
+        return grid[..., 0] + grid[..., 1] * nbytes
 
 
 class ProblemTooLarge(Exception):
@@ -144,9 +133,8 @@ class ProblemTooLarge(Exception):
 
 class _Builder:
     def __init__(self, program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival, weights: dict,
-                 max_edge_variables: float, bucket_cap_bytes: int = 0):
+                 max_edge_variables: float):
         self.program, self.space, self.cost, self.arrival = program, space, cost, arrival
-        self.bucket_cap_bytes = bucket_cap_bytes
         self.weights = weights
         self.max_edge_variables, self.edge_variables = max_edge_variables, 0
         self.tied = find_repeated_layers(program)
@@ -270,14 +258,14 @@ class _Builder:
         return self.id_cache[key]
 
     def _add_edge(self, producer: fx.Node, consumer: fx.Node, wanted_ids: np.ndarray, nbytes: int,
-                  grad_sync: bool = False, last: bool = False, latency_share: float = 1.0) -> None:
+                  grad_sync: bool = False, last: bool = False) -> None:
         du, dv = self.problem.decision_of[producer], self.problem.decision_of[consumer]
         out_ids = self._output_ids(producer)
-        key = (id(out_ids), id(wanted_ids), nbytes, latency_share)
+        key = (id(out_ids), id(wanted_ids), nbytes)
         if key not in self.matrix_cache:
             layouts_out, rows = np.unique(out_ids, return_inverse=True)
             layouts_in, cols = np.unique(wanted_ids, return_inverse=True)
-            self.matrix_cache[key] = (rows, cols, self.table.matrix(layouts_out, layouts_in, nbytes, latency_share))
+            self.matrix_cache[key] = (rows, cols, self.table.matrix(layouts_out, layouts_in, nbytes))
         rows, cols, cost = self.matrix_cache[key]
         cost = cost * self.weights.get(consumer, 1)
         if du == dv and not grad_sync:
@@ -307,17 +295,14 @@ class _Builder:
             self._add_edge(producer, node, wanted, nbytes(producer.meta.get("val")))
 
     def _gradient_edges(self) -> None:
-        """One edge per gradient (parameter layouts), its latency shared with the gradients of its bucket where the
-        runtime buckets them (``bucket_cap_bytes``; ``cost.pricing.bucket_latency_share``); the gradient ready
-        last (of a folded layer: one of the real layers it stands for) keeps its own edge."""
+        """One edge per gradient (parameter layouts): the sharded runtime moves each gradient on its own; the
+        gradient ready last (of a folded layer: one of the real layers it stands for) keeps its own edge."""
         order = self.program.grad_ready_order()
         for name in order:
             grad, param = self.program.grad_nodes[name], self.program.param_nodes[name]
             if grad in self.problem.decision_of and param in self.problem.decision_of:
-                size = nbytes(param.meta["val"])
-                share = pricing.bucket_latency_share(size, self.bucket_cap_bytes, len(order))
-                self._add_edge(grad, param, self._output_ids(param), size, grad_sync=True, last=name == order[-1],
-                               latency_share=share)
+                self._add_edge(grad, param, self._output_ids(param), nbytes(param.meta["val"]), grad_sync=True,
+                               last=name == order[-1])
 
     def _tangent_edges(self) -> None:
         for tangent, index in self.program.tangent_nodes.items():
@@ -328,10 +313,10 @@ class _Builder:
 
 def build_problem(program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival,
                   memory_budget: float = float("inf"), weights: dict | None = None,
-                  max_edge_variables: float = float("inf"), bucket_cap_bytes: int = 0) -> ShardingProblem:
+                  max_edge_variables: float = float("inf")) -> ShardingProblem:
     """``arrival(node)``: the placements a user input arrives in (each rank's slice: Shard(0) on every axis).
     ``weights``: how many real nodes a captured node stands for (folded layers; absent: 1).
     Raises ``ProblemTooLarge`` as soon as the problem has more than ``max_edge_variables`` edge variables."""
-    problem = _Builder(program, space, cost, arrival, weights or {}, max_edge_variables, bucket_cap_bytes).build()
+    problem = _Builder(program, space, cost, arrival, weights or {}, max_edge_variables).build()
     problem.memory_budget = memory_budget
     return problem
