@@ -74,7 +74,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
 
     hardware: as in ``compile`` ("measured" measures this process's device once and caches it).
     mode: the mode the plan will run in ("eager" or "graph"; None: the global mode). A graph-mode plan is the
-    per-rank program compile runs (its boundary moves, one collective per gradient): for the same model, mesh,
+    per-rank program compile runs (its boundary moves, its gradient buckets): for the same model, mesh,
     hardware and batch it equals the plan ``compile(..., mode="graph")`` makes (with ``fold_layers=False``).
     solver: "auto" (exact MILP unless the problem is too large, then propagation), "milp" or "propagate".
     fold_layers: capture only the first, one middle and the last layer of long lists of identical layers and

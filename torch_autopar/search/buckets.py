@@ -1,7 +1,8 @@
 """Gradient buckets: parameters grouped, in the order backward finishes their gradients, up to a byte cap.
 
-Launching a bucket's all-reduce as soon as its last gradient is ready overlaps communication with the rest of
-backward; every rank must launch buckets in the same order. Must never communicate.
+Launching a bucket's collective (an all-reduce; in graph mode's sharded program also a reduce-scatter,
+``rewrite.grad_buckets``) as soon as its last gradient is ready overlaps communication with the rest of backward;
+every rank must launch buckets in the same order. Must never communicate.
 """
 
 from __future__ import annotations

@@ -191,7 +191,8 @@ class Planner(Executing):
             sharding = to_sharding(self.program, problem, solution.choice, self.mesh, built.space.replicated_ops,
                                    self._arrival)
             params = {n: sharding.specs[node].placements for n, node in self.program.param_nodes.items()}
-            # each gradient synced on its own, as the MILP prices it and the sharded runtime moves it
+            # eager mode: each gradient synced on its own, as the MILP prices it and DTensor moves it (graph mode:
+            # ``_plan`` prices the program's buckets)
             plan = self._plan(name, sharding, params, bucket_cap_bytes=0)
             plan.search_stats.update({
                 "mode": "exact", "decisions": len(problem.decisions), "variables": solution.num_variables,

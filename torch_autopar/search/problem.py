@@ -295,8 +295,10 @@ class _Builder:
             self._add_edge(producer, node, wanted, nbytes(producer.meta.get("val")))
 
     def _gradient_edges(self) -> None:
-        """One edge per gradient (parameter layouts): the sharded runtime moves each gradient on its own; the
-        gradient ready last (of a folded layer: one of the real layers it stands for) keeps its own edge."""
+        """One edge per gradient (parameter layouts), each with a collective's full latency: eager mode moves each
+        gradient on its own; graph mode's buckets share one latency (an upper bound here: which gradients share a
+        bucket depends on the layouts chosen; the plan's estimate prices the buckets). The gradient ready last (of
+        a folded layer: one of the real layers it stands for) keeps its own edge."""
         order = self.program.grad_ready_order()
         for name in order:
             grad, param = self.program.grad_nodes[name], self.program.param_nodes[name]
