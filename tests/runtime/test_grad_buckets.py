@@ -3,7 +3,8 @@ fp32), for a data-parallel, a fully-sharded and a tensor-parallel plan; the coll
 the plan's list, and bucketing (the default cap) runs fewer collectives than one per gradient
 (``bucket_cap_bytes=0``) wherever two gradients are reduced the same way one after the other.
 
-One spawned job runs every case (each plans, compiles and trains its own module).
+One spawned job runs every case (each plans, compiles and trains its own module). Behind ``-m slow``, the uneven
+GPT's reduce-scatter buckets with Inductor as the code generator (C++ compiled on every rank: minutes).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from torch_autopar.runtime.comm_count import CollectiveCounter, planned_summary
 from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.models import GPT, GPTConfig
 from tests import support
+
+pytestmark = pytest.mark.timeout(900)  # one spawned job trains every case (8 x 3 steps) before the first test
 
 WORLD = 2
 CASES = [("mlp", "data_parallel"), ("gpt", "fully_shard"), ("gpt_uneven", "fully_shard"), ("gpt", "tensor_parallel")]
@@ -148,3 +151,18 @@ def test_buckets_equal_one_process_and_the_plan(results, case):
         assert total[None] <= total[0], f"{case}: {total[None]} collectives with buckets, {total[0]} without"
     else:
         assert total[None] < total[0], f"{case}: {total[None]} collectives with buckets, {total[0]} without"
+
+
+def _inductor_job(rank, world):
+    return support.outcome(_run_case, rank, "gpt_uneven", "fully_shard", None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_inductor_runs_padded_reduce_scatter_buckets():
+    outcomes = run_on_ranks(_inductor_job, WORLD, timeout_s=1100, env={"AUTOPAR_GRAPH_COMPILER": "inductor"})
+    run = support.assert_ranks_equal_one_process(outcomes, _reference("gpt_uneven"), "gpt_uneven with Inductor")
+    assert any(kind == "reduce_scatter" for kind, _, _ in run["buckets_planned"])
+    for rank, (_, each) in enumerate(outcomes):
+        for counted in each["counted"]:
+            assert all(counted.get(key, 0) >= n for key, n in each["buckets_planned"].items()), (rank, counted)
