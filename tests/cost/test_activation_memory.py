@@ -1,8 +1,8 @@
 """The activation memory model (``cost.pricing``: what autograd keeps from the forward for backward, and what
 recomputing a repeated layer frees) against the allocator's record (``testing.memory.kept_bytes``: bytes a
 forward allocated and still holds when it returns), in one process: every layer keeping its activations, some
-and all of them recomputing (``runtime.recompute.apply_plan``), on the project's GPT and the block MLP, within
-15%. And the pricing functions by hand: a recomputed layer's backward makes its activations again while the
+and all of them recomputing, all of them recomputing selectively (``runtime.recompute.apply_plan``), on the
+project's GPT and the block MLP, within 15%. And the pricing functions by hand: a recomputed layer's backward makes its activations again while the
 layers before it still hold theirs.
 """
 
@@ -14,6 +14,7 @@ import torch
 import torch_autopar as autopar
 from torch_autopar.cost import pricing
 from torch_autopar.runtime.recompute import apply_plan
+from torch_autopar.search.recompute import recomputed
 from torch_autopar.testing.memory import kept_bytes
 from torch_autopar.testing.models import GPT, BlockMLP, GPTConfig
 
@@ -51,10 +52,10 @@ def test_predicted_activations_match_the_allocator_with_and_without_recomputatio
     plan = _plan(name)
     layers = list(plan.layer_activations)
     assert len(layers) >= 4, layers
-    for chosen in ([], layers[:2], layers):
-        predicted = plan.memory_breakdown["activations"] - sum(plan.layer_activations[n].freed_bytes for n in chosen)
-        measured = _measured(name, {n: "full" for n in chosen})
-        assert abs(predicted - measured) <= TOLERANCE * measured, (name, len(chosen), predicted, measured)
+    for chosen in ({}, {n: "full" for n in layers[:2]}, {n: "full" for n in layers}, {n: "selective" for n in layers}):
+        predicted = plan.memory_breakdown["activations"] - sum(f for f, _ in recomputed(plan, chosen).values())
+        measured = _measured(name, chosen)
+        assert abs(predicted - measured) <= TOLERANCE * measured, (name, chosen, predicted, measured)
 
 
 def test_full_recomputation_priced_in_the_plan():

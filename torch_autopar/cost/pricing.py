@@ -26,6 +26,14 @@ ADAM_STATE_PER_PARAM = 2
 PARAMETER_COPIES = 2 + ADAM_STATE_PER_PARAM
 """Bytes kept per parameter byte: the parameter, its gradient and the optimizer state."""
 
+_aten = torch.ops.aten
+SAVED_BY_SELECTIVE = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+}
+"""Ops whose outputs "selective" recomputation keeps (``runtime.recompute``): the ones that cost FLOPs to redo
+(torchtitan's choice, minus its every other matmul rule)."""
 CHECKPOINT_STATE_BYTES = torch.get_rng_state().numel()
 """What non-reentrant ``torch.utils.checkpoint`` keeps per recomputed layer besides its inputs: the CPU random
 generator's state, to replay the layer's random ops (dropout) when it recomputes."""
@@ -147,6 +155,21 @@ def recomputed_activations(program: CapturedProgram, layers: dict) -> dict:
         kept = returned | {storage_owner(arg) for user in forward - inside for arg in user.all_input_nodes}
         freed[layer] = {node for node in nodes if node in saved and node not in kept}
     return freed
+
+
+def selectively_kept(program: CapturedProgram, layers: dict) -> dict:
+    """Repeated layer → what "selective" recomputation keeps of it besides what "full" keeps: the outputs of its
+    ``SAVED_BY_SELECTIVE`` ops (each by its storage), whether backward reads them or not, that full recomputation
+    frees or never kept."""
+    freed, saved = recomputed_activations(program, layers), saved_for_backward(program)
+    kept = {}
+    for layer, nodes in layers.items():
+        ops = [node for node in nodes if node.target in SAVED_BY_SELECTIVE]
+        outputs = {storage_owner(node) for node in ops} | {user for node in ops for user in node.users
+                                                            if user.target is operator.getitem}
+        kept_by_full = {node for node in nodes if node in saved} - freed[layer]
+        kept[layer] = outputs - kept_by_full
+    return kept
 
 
 def all_recomputed(program: CapturedProgram, layers: dict) -> set[fx.Node]:

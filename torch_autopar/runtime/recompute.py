@@ -21,17 +21,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from torch_autopar.cost.pricing import SAVED_BY_SELECTIVE
 from torch_autopar.errors import AutoparError
 from torch_autopar.search.recompute import POLICIES
-
-_aten = torch.ops.aten
-SAVED_BY_SELECTIVE = {
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-}
-"""Ops whose outputs "selective" keeps: the ones that cost FLOPs to redo (torchtitan's choice, minus its every
-other matmul rule)."""
 
 
 def check_policy(policy) -> None:

@@ -17,7 +17,7 @@ from torch_autopar.capture.layers import forward_layer_nodes
 from torch_autopar.cost import CostModel, pricing
 from torch_autopar.cost.ops import is_free, node_flops
 from torch_autopar.cost.pricing import ADAM_STATE_PER_PARAM
-from torch_autopar.search.plan import PlannedCollective
+from torch_autopar.search.plan import LayerActivations, PlannedCollective
 from torch_autopar.strategies import Sharding
 
 
@@ -34,8 +34,8 @@ class Estimate:
     node_seconds: dict = field(default_factory=dict)
     """Compute seconds of one instance of each node."""
     layers: dict = field(default_factory=dict)
-    """Repeated layer ``(family, index)`` → (bytes of the activations one instance saves, bytes recomputing it
-    frees, seconds of one forward of it), in forward order (``add_layer_activations``)."""
+    """Repeated layer ``(family, index)`` → ``LayerActivations`` of one instance, in forward order
+    (``add_layer_activations``)."""
 
     def weight(self, node: fx.Node) -> int:
         return self.weights.get(node, 1)
@@ -168,18 +168,24 @@ def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding,
 
 def add_layer_activations(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
     """Per repeated layer, one instance: the activations it saves and those recomputing it frees, on local shards
-    (``cost.pricing.recomputed_activations``, less the state its checkpoint keeps), and the compute of one more
-    forward of it (``add_compute`` first)."""
+    (``cost.pricing.recomputed_activations``, less the state its checkpoint keeps; "selective" keeps its matmul
+    outputs too), and the compute of one more forward of it (``add_compute`` first; "selective" does not redo
+    its matmuls)."""
     def local(node):
         return pricing.local_nbytes(node.meta.get("val"), _placements(sharding.specs.get(node)), cost)
 
     layers = forward_layer_nodes(program)
     saved, forward = pricing.saved_for_backward(program), pricing.forward_nodes(program)
-    freed = pricing.recomputed_activations(program, layers)
+    freed, selective = pricing.recomputed_activations(program, layers), pricing.selectively_kept(program, layers)
     for layer, nodes in layers.items():
-        estimate.layers[layer] = (sum(local(n) for n in nodes if n in saved),
-                                  sum(local(n) for n in freed[layer]) - pricing.CHECKPOINT_STATE_BYTES,
-                                  sum(estimate.node_seconds.get(n, 0.0) for n in nodes if n in forward))
+        full = sum(local(n) for n in freed[layer]) - pricing.CHECKPOINT_STATE_BYTES
+        redone = [n for n in nodes if n in forward]
+        estimate.layers[layer] = LayerActivations(
+            saved_bytes=sum(local(n) for n in nodes if n in saved), freed_bytes=full,
+            recompute_s=sum(estimate.node_seconds.get(n, 0.0) for n in redone),
+            selective_freed_bytes=full - sum(local(n) for n in selective[layer]),
+            selective_recompute_s=sum(estimate.node_seconds.get(n, 0.0) for n in redone
+                                      if n.target not in pricing.SAVED_BY_SELECTIVE))
 
 
 def in_dtype(info, dtype: torch.dtype | None) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import html
 
+from torch_autopar.search.recompute import recomputed
+
 
 def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -61,8 +63,8 @@ def _recompute_lines(plan) -> list[str]:
     chosen, figures = plan.activation_checkpointing, plan.layer_activations
     if not chosen:
         return [f"activation checkpointing: none ({len(figures)} repeated layers keep their activations)"] if figures else []
-    freed = sum(figures[name].freed_bytes for name, how in chosen.items() if how == "full" and name in figures)
-    seconds = sum(figures[name].recompute_s for name, how in chosen.items() if how == "full" and name in figures)
+    priced = recomputed(plan, chosen)
+    freed, seconds = sum(f for f, _ in priced.values()), sum(s for _, s in priced.values())
     names = list(chosen)
     shown = ", ".join(f"{name} ({how})" for name, how in list(chosen.items())[:8]) + (", ..." if len(names) > 8 else "")
     return [f"activation checkpointing: {len(names)} of {max(len(figures), len(names))} repeated layers recompute in "

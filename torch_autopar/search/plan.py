@@ -74,6 +74,10 @@ class LayerActivations:
     """Of those, what recomputing it frees (all but what ops after it read: its output, kept by the next layer)."""
     recompute_s: float
     """Seconds of one more forward of it: what recomputing it adds to backward."""
+    selective_freed_bytes: int = 0
+    """What "selective" recomputation frees: ``freed_bytes`` less its matmul and attention outputs, which it keeps."""
+    selective_recompute_s: float = 0.0
+    """Seconds "selective" recomputation adds: the forward of all but those ops."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -35,7 +35,7 @@ from torch_autopar.search import module_layouts as modules
 from torch_autopar.search.layouts import node_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
 from torch_autopar.search import recompute
-from torch_autopar.search.plan import LayerActivations, Plan
+from torch_autopar.search.plan import Plan
 from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build_problem
 from torch_autopar.search.role_seeds import role_seeds
 from torch_autopar.search.solution import to_sharding
@@ -339,9 +339,7 @@ class Planner(Executing):
             node_layouts=layouts, module_layouts={} if local_compute else modules.module_layouts(program, layouts),
             param_compute_placements={} if local_compute else self._real_params(modules.compute_layouts(program, layouts)),
             full_batch=self.full_batch, reshard_after_forward=self.reshard_after_forward,
-            layer_activations={path: LayerActivations(saved_bytes=saved, freed_bytes=freed, recompute_s=seconds)
-                               for key, (saved, freed, seconds) in estimate.layers.items()
-                               for path in self._real_layers(*key)},
+            layer_activations={path: row for key, row in estimate.layers.items() for path in self._real_layers(*key)},
         )
 
     # choosing ---------------------------------------------------------------------------------------------------

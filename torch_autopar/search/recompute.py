@@ -17,21 +17,28 @@ POLICIES = (None, "auto", "full", "selective")
 """What ``compile(activation_checkpointing=...)`` accepts."""
 
 
+def recomputed(plan: Plan, layers: dict[str, str]) -> dict[str, tuple[int, float]]:
+    """Layer → (bytes recomputing it frees, seconds it adds) for each layer of ``layers`` the plan has figures
+    for, under its policy ("selective" keeps its matmul and attention outputs and does not redo them)."""
+    figures = {}
+    for name, how in layers.items():
+        row = plan.layer_activations.get(name)
+        if row is not None:
+            figures[name] = ((row.freed_bytes, row.recompute_s) if how == "full"
+                             else (row.selective_freed_bytes, row.selective_recompute_s))
+    return figures
+
+
 def apply_choice(plan: Plan, layers: dict[str, str]) -> None:
     """Make ``layers`` (module path → "full" | "selective") the plan's recomputed layers and price them in place:
-    memory from ``cost.pricing.recompute_memory``; the step pays one more forward of each ("selective" keeps
-    its matmul and attention outputs: priced as keeping every activation, with no recompute time)."""
-    figures = plan.layer_activations
-    undo = sum(figures[name].recompute_s for name, how in plan.activation_checkpointing.items()
-               if how == "full" and name in figures)
-    extra = sum(figures[name].recompute_s for name, how in layers.items() if how == "full" and name in figures)
-    plan.compute_time += extra - undo
-    plan.estimated_step_time += extra - undo
-    kept = plan.memory_breakdown.get("activations", 0) + sum(
-        figures[name].freed_bytes for name, how in plan.activation_checkpointing.items()
-        if how == "full" and name in figures)
-    rows = [(name, row.saved_bytes, row.freed_bytes) for name, row in figures.items()]
-    plan.memory_breakdown.update(pricing.recompute_memory(kept, rows, {n for n, how in layers.items() if how == "full"}))
+    memory from ``cost.pricing.recompute_memory``; the step pays one more forward of each."""
+    old, new = recomputed(plan, plan.activation_checkpointing), recomputed(plan, layers)
+    seconds = sum(s for _, s in new.values()) - sum(s for _, s in old.values())
+    plan.compute_time += seconds
+    plan.estimated_step_time += seconds
+    kept = plan.memory_breakdown.get("activations", 0) + sum(freed for freed, _ in old.values())
+    rows = [(name, row.saved_bytes, new.get(name, (0, 0.0))[0]) for name, row in plan.layer_activations.items()]
+    plan.memory_breakdown.update(pricing.recompute_memory(kept, rows, set(new)))
     if not plan.memory_breakdown["recomputed_layer"]:
         del plan.memory_breakdown["recomputed_layer"]
     plan.peak_memory = sum(plan.memory_breakdown.values())
