@@ -70,6 +70,12 @@ def test_auto_raises_when_even_full_recomputation_does_not_fit():
         _plan("auto", full.peak_memory - 1)
 
 
+def test_auto_says_recomputation_was_counted_when_no_sharding_fits():
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: no .*fits the memory budget.*even with every "
+                                                   r"repeated layer recomputed"):
+        _plan("auto", 100_000, mesh_shape=(2,))
+
+
 def test_layer_figures_are_on_local_shards():
     """Each rank holds half the batch's activations (all but the causal mask, the same on every rank)."""
     one, two = _plan(None), _plan(None, mesh_shape=(2,), strategy="data_parallel")

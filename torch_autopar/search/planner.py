@@ -380,6 +380,9 @@ class Planner(Executing):
                 plan.search_stats["candidate"] = name
                 plans.append(plan)
         if not any(plan.peak_memory <= self.budget for plan in plans) and getattr(self, "infeasible", None):
+            if self.activation_checkpointing == "auto":  # the search sized it with every candidate recomputed
+                raise AutoparError(f"{self.infeasible} (activation_checkpointing='auto': even with every repeated "
+                                   "layer recomputed)")
             raise self.infeasible  # the search's error states the smallest memory any plan needs
         best = self._within_budget(plans)
         best.notes.append("auto compared " + ", ".join(
