@@ -49,10 +49,12 @@ def _capture(module, fake_args, fake_kwargs, policy):
 def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes,
                   executable: bool, solver: str = "auto", fold_layers: bool = False, mode: str = "eager",
                   policy: precision.MixedPrecision | None = None, full_batch: bool = False,
-                  reshard_after_forward: bool = True):
+                  reshard_after_forward: bool = True, activation_checkpointing=None):
     started = time.perf_counter()
+    candidates = recompute.layer_names(module, activation_checkpointing)
     fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, batch_factor)
-    with folded_layers(module, enabled=fold_layers) as folding:
+    checkpointed = recompute.captured_layers(activation_checkpointing, candidates)
+    with recompute.applied(module, checkpointed), folded_layers(module, enabled=fold_layers) as folding:
         program = _capture(module, fake_args, fake_kwargs, policy)
     captured = time.perf_counter()
     names = mesh.mesh_dim_names or launch.default_axis_names(mesh.ndim)
@@ -60,8 +62,19 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
                         memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
                         global_batch=batch_size(fake_args, fake_kwargs), executable=executable, solver=solver,
                         folding=folding, mode=mode, full_batch=full_batch,
-                        reshard_after_forward=reshard_after_forward, **precision.planned_dtypes(policy))
+                        reshard_after_forward=reshard_after_forward,
+                        activation_checkpointing=activation_checkpointing, recompute_candidates=candidates,
+                        **precision.planned_dtypes(policy))
     result.search_stats.update({"capture_s": captured - started, "total_s": time.perf_counter() - started})
+    if activation_checkpointing == "auto" and result.activation_checkpointing and mode == "graph" \
+            and result.node_layouts and not result.is_data_parallel() and mesh.size() > 1:
+        # graph mode runs the plan's node layouts on a capture with the chosen layers checkpointed (a few nodes
+        # more): plan again on that capture, with the choice fixed
+        return _plan_on_mesh(module, args, kwargs, mesh, batch_factor=batch_factor, strategy=strategy,
+                             hardware=hardware, memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
+                             executable=executable, solver=solver, fold_layers=fold_layers, mode=mode, policy=policy,
+                             full_batch=full_batch, reshard_after_forward=reshard_after_forward,
+                             activation_checkpointing=dict(result.activation_checkpointing))
     return result
 
 
@@ -69,7 +82,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
          memory_budget=None, axis_names=None, example_kwargs=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto", fold_layers: bool = True,
          pipeline=None, microbatches=None, schedule=None, mixed_precision=None, mode=None,
-         full_batch: bool = False, reshard_after_forward: bool = True) -> Plan:
+         full_batch: bool = False, reshard_after_forward: bool = True, activation_checkpointing=None) -> Plan:
     """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK).
 
     hardware: as in ``compile`` ("measured" measures this process's device once and caches it).
@@ -85,15 +98,19 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
     full_batch: as in ``compile``: every rank passes the whole batch, so inputs arrive and outputs leave
     replicated (False: each rank passes its slice).
     reshard_after_forward: as in ``compile``.
+    activation_checkpointing: as in ``compile``; the plan names the layers that recompute
+    (``plan.activation_checkpointing``) and prices them.
 
     pipeline="auto" plans ``strategy`` without a pipeline too and returns the faster of the two that fits."""
     check_strategy(strategy)
     if mode is not None and mode not in MODES:
         raise AutoparError(f"mode={mode!r}: expected one of {MODES} or None (the global mode).")
+    recompute.check_policy(activation_checkpointing)
     policy = precision.resolve(mixed_precision)
     world = math.prod(launch.mesh.check_mesh_shape(mesh_shape, None, "mesh_shape"))
     options = pipelining.check_options(pipeline, microbatches, schedule, world)
     if options is not None:
+        _check_pipeline_recompute(activation_checkpointing)
         _check_pipeline_precision(policy)
         _check_pipeline_strategy(strategy, None, full_batch, options)
         if options.searched:
@@ -107,6 +124,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
                                       layouts=_stage_layouts(strategy, runnable=False))[0]
         return _offline_pipeline_plan(model, _as_tuple(example_inputs), options, world, hardware)
     if isinstance(strategy, Plan):
+        _check_plan_recompute(activation_checkpointing)
         strategy.check_compatible(module_fingerprint(model), math.prod(launch.mesh.parse_mesh_shape(mesh_shape)))
         if tuple(strategy.mesh_shape) != launch.mesh.parse_mesh_shape(mesh_shape):
             raise AutoparError(f"this plan is for a mesh of shape {tuple(strategy.mesh_shape)}, not {mesh_shape}; "
@@ -117,7 +135,22 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
                              strategy=strategy, hardware=hardware, memory_budget=memory_budget,
                              bucket_cap_bytes=bucket_cap_bytes, executable=False, solver=solver,
                              fold_layers=fold_layers, policy=policy, mode=mode or get_mode(), full_batch=full_batch,
-                             reshard_after_forward=reshard_after_forward)
+                             reshard_after_forward=reshard_after_forward,
+                             activation_checkpointing=activation_checkpointing)
+
+
+def _check_pipeline_recompute(activation_checkpointing) -> None:
+    if activation_checkpointing == "auto":
+        raise AutoparError("activation_checkpointing='auto' with pipeline=: the pipeline search does not choose "
+                           "recomputation in this version; expected activation_checkpointing=None (or drop "
+                           "pipeline=).")
+
+
+def _check_plan_recompute(activation_checkpointing) -> None:
+    if activation_checkpointing is not None:
+        raise AutoparError(f"activation_checkpointing={activation_checkpointing!r} with a Plan as strategy: the plan "
+                           "names the layers that recompute (plan.activation_checkpointing); expected None. Drop the "
+                           "argument, or plan again with it (autopar.plan(..., activation_checkpointing=...)).")
 
 
 def _offline_pipeline_plan(model, args, options, world, hardware) -> Plan:
@@ -237,9 +270,9 @@ class _Planner:
     """Plans a module for this job's ranks from the inputs of one call (this rank's slice)."""
 
     def __init__(self, mesh, strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode=None, policy=None,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, activation_checkpointing=None):
         self.mesh, self.strategy, self.hardware, self.mode, self.policy = mesh, strategy, hardware, mode, policy
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward, self.activation_checkpointing = reshard_after_forward, activation_checkpointing
         self.memory_budget, self.full_batch, self.bucket_cap_bytes = memory_budget, full_batch, bucket_cap_bytes
 
     def __call__(self, module, args, kwargs) -> Plan:
@@ -258,8 +291,19 @@ class _Planner:
                 raise
             params = {name: TensorInfo.of(p) for name, p in module.named_parameters()}
             names = launch.default_axis_names(1)
-            return plan_from_parameters(params, world, names, strategy=self.strategy, reason=str(error),
+            plan = plan_from_parameters(params, world, names, strategy=self.strategy, reason=str(error),
                                         bucket_cap_bytes=self.bucket_cap_bytes)
+            return self._unpriced_recompute(module, plan)
+
+    def _unpriced_recompute(self, module, plan: Plan) -> Plan:
+        """A plan made without a graph recomputes every repeated layer under "full" / "selective", none under
+        "auto" (nothing to price a choice with)."""
+        policy = self.activation_checkpointing
+        if policy in ("full", "selective"):
+            plan.activation_checkpointing = {name: policy for name in recompute.layer_names(module, policy)}
+        elif policy == "auto":
+            plan.notes.append("activation_checkpointing='auto': no graph to price recomputation with; none chosen")
+        return plan
 
     def without_module_boundaries(self, module, args, kwargs, plan: Plan) -> Plan:
         """``plan`` executed in eager mode as DTensor places every op, with no submodule held to its layouts: what
@@ -294,7 +338,8 @@ class _Planner:
                              hardware=self.hardware, memory_budget=self.memory_budget,
                              bucket_cap_bytes=self.bucket_cap_bytes, executable=True, mode=self._mode(),
                              policy=self.policy, full_batch=self.full_batch,
-                             reshard_after_forward=self.reshard_after_forward)
+                             reshard_after_forward=self.reshard_after_forward,
+                             activation_checkpointing=self.activation_checkpointing)
 
     def _mode(self) -> str:
         """The mode the module will run in (its own, else the global one at planning time)."""
@@ -323,8 +368,12 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     full_batch: every rank passes the whole global batch (as parallelize_module users call a model): a sharded
     plan takes it replicated and returns its outputs replicated, moving no batch slices; data parallelism
     computes this rank's slice and gathers the outputs.
-    activation_checkpointing: None, "full" or "selective" (runtime.recompute): recompute the repeated layers'
-    activations in backward (all of them, or all but matmul and attention outputs) to save memory.
+    activation_checkpointing: None, "auto", "full" or "selective" (runtime.recompute): recompute the repeated
+    layers' activations in backward (all of them, or all but matmul and attention outputs) to save memory; "auto"
+    recomputes, after the layout search, the fewest layers that bring the plan's predicted peak within
+    memory_budget (none when it fits as it is; most bytes freed per second of recompute first) and raises when
+    even all of them do not. The plan names the layers (``pmodel.plan.activation_checkpointing``); a Plan passed
+    as ``strategy`` carries its own.
     pipeline: None, or N pipeline stages (ranks laid out as world/N data-parallel x N pipeline; cut between the
     layers of the model's nn.ModuleList); microbatches: per rank and step (None: 2N if it divides the batch, else
     N); schedule: "gpipe" | "1f1b" (default) | "interleaved_1f1b"; loss_fn(output, target): what
@@ -354,9 +403,13 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     if not isinstance(model, torch.nn.Module):
         raise AutoparError(f"compile() expected an nn.Module instance or subclass, found {type(model).__name__}.")
     _check_options(strategy, mode, mesh)
+    recompute.check_policy(activation_checkpointing)
+    if isinstance(strategy, Plan):
+        _check_plan_recompute(activation_checkpointing)
     policy = precision.resolve(mixed_precision)
     pipeline_options = _pipeline_options(pipeline, microbatches, schedule, strategy, loss_fn)
     if pipeline_options is not None:
+        _check_pipeline_recompute(activation_checkpointing)
         _check_pipeline_strategy(strategy, mesh, full_batch, pipeline_options)
         _check_pipeline_precision(policy)
         if pipeline_options.searched:
@@ -365,9 +418,9 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
         return _compile_pipeline(model, example_inputs, pipeline_options, strategy, hardware, mode, loss_fn)
     if isinstance(mesh, int):
         options["mesh"] = (mesh,)
-    recompute.apply_activation_checkpointing(model, activation_checkpointing)
+    recompute.layer_names(model, activation_checkpointing)  # a model without repeated layers fails here, not later
     planner = _Planner(options["mesh"], strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode, policy,
-                       reshard_after_forward)
+                       reshard_after_forward, activation_checkpointing)
     parallel = ParallelModule(model, planner=planner, mode=mode, full_batch=full_batch, mixed_precision=policy)
     if example_inputs is not None or example_kwargs:
         parallel.prepare(_as_tuple(example_inputs), dict(example_kwargs or {}))

@@ -71,6 +71,13 @@ class Folding:
                 return path
         return None
 
+    def real_layers(self, family: str, index: int) -> list[int]:
+        """The indices of the real layers captured layer ``index`` of ``family`` stands for, in forward order."""
+        length = self.lengths.get(family)
+        if length is None:
+            return [index]
+        return [0] if index == 0 else [length - 1] if index == 2 else list(range(1, length - 1))
+
     def layer_weight(self, family: str, index: int) -> int:
         """How many real layers captured layer ``index`` of ``family`` stands for."""
         length = self.lengths.get(family)

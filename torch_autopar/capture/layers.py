@@ -102,6 +102,13 @@ def _tie_parameters(program: CapturedProgram, representative: dict) -> None:
             by_key[key] = node
 
 
+def forward_layer_nodes(program: CapturedProgram) -> dict[tuple[str, int], list[fx.Node]]:
+    """Repeated layer ``(family, index)`` → the ops of its forward segment, in graph order (the segments of
+    ``find_repeated_layers``: from the first op reading one of its parameters to the next layer's)."""
+    return {layer: nodes for (layer, backward), nodes in _segments(program).items()
+            if layer is not None and not backward}
+
+
 def node_weights(program: CapturedProgram, folding) -> dict[fx.Node, int]:
     """How many real nodes each captured node stands for under ``folding`` (absent: 1)."""
     if folding is None or not folding.lengths:

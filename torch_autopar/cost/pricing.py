@@ -1,6 +1,12 @@
 """One set of pricing functions: a node's compute, a layout change, the gradient sync and its buckets, memory
 per device.
 
+Memory per device is what a training step holds at its peak: each parameter's shard with its gradient and Adam
+state, buffers, and the activations autograd keeps from the forward for backward (``saved_for_backward``: each
+by the storage it keeps alive, on the plan's local shard shapes); a repeated layer that recomputes in backward
+(activation checkpointing) keeps only its input and makes its activations again, one layer at a time
+(``recomputed_activations``, ``recompute_memory``).
+
 The MILP's objective (``search.problem``, ``search.milp``) and a plan's estimate (``search.estimate``) both price
 with these, so the solver optimises the number the plan reports; graph mode's per-rank program lays out its
 gradient buckets with the same ``grad_reduction`` and ``bucket_slot_numel``, so the plan prices the buffers that
@@ -10,6 +16,7 @@ run. Must never choose a plan.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +31,18 @@ ADAM_STATE_PER_PARAM = 2
 """Optimizer state per parameter: Adam keeps two tensors the size of each parameter."""
 PARAMETER_COPIES = 2 + ADAM_STATE_PER_PARAM
 """Bytes kept per parameter byte: the parameter, its gradient and the optimizer state."""
+
+_aten = torch.ops.aten
+SAVED_BY_SELECTIVE = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+}
+"""Ops whose outputs "selective" recomputation keeps (``runtime.recompute``): the ones that cost FLOPs to redo
+(torchtitan's choice, minus its every other matmul rule)."""
+CHECKPOINT_STATE_BYTES = torch.get_rng_state().numel()
+"""What non-reentrant ``torch.utils.checkpoint`` keeps per recomputed layer besides its inputs: the CPU random
+generator's state, to replay the layer's random ops (dropout) when it recomputes."""
 
 
 def local_nbytes(value, placements, cost: CostModel) -> int:
@@ -158,19 +177,99 @@ def exposed_grad_sync(total: float, last: float, backward: float) -> float:
     return max(last, total - backward)
 
 
+def forward_nodes(program: CapturedProgram) -> set[fx.Node]:
+    """What the forward computes: every node the forward outputs and buffer updates depend on, with each output
+    (``getitem``) of a multi-output op among them (the forward allocates all of them)."""
+    forward, pending = set(), list(program.output_nodes.values()) + list(program.buffer_updates.values())
+    while pending:
+        node = pending.pop()
+        if node not in forward:
+            forward.add(node)
+            pending.extend(node.all_input_nodes)
+    forward.update(user for node in list(forward) for user in node.users if user.target is operator.getitem)
+    return forward
+
+
+def storage_owner(node: fx.Node) -> fx.Node:
+    """The node that allocated ``node``'s storage: a view's base; an output of a multi-output op (not a view's
+    split) is its own."""
+    while node.op == "call_function" and is_free(node) and node.all_input_nodes:
+        source = node.all_input_nodes[0]
+        if node.target is operator.getitem and not (source.op == "call_function" and is_free(source)):
+            break
+        node = source
+    return node
+
+
 def saved_for_backward(program: CapturedProgram) -> set[fx.Node]:
-    """Forward results that backward reads: kept from the forward until backward uses them."""
+    """The activations autograd keeps from the forward until backward reads them: each forward value read by an
+    op outside the forward (backward) or returned, as the node that allocated its storage (a saved view keeps its
+    base whole). Placeholders are not activations: parameters, buffers and inputs are held anyway."""
+    forward = forward_nodes(program)
     saved = set()
-    for node in program.graph.graph.nodes:
-        if node.op == "call_function" and not program.is_backward(node) and not is_free(node):
-            if any(program.is_backward(user) for user in node.users):
-                saved.add(node)
+    for node in forward:
+        if any(user not in forward for user in node.users):
+            owner = storage_owner(node)
+            if owner.op == "call_function":
+                saved.add(owner)
     return saved
 
 
-def memory_copies(program: CapturedProgram) -> dict[fx.Node, int]:
-    """How many copies of each node's value a device holds through the step (absent: none)."""
-    copies = {node: 1 for node in saved_for_backward(program)}
+def recomputed_activations(program: CapturedProgram, layers: dict) -> dict:
+    """Repeated layer (any key) → the saved activations that recomputing it frees, for ``layers`` (key → its
+    forward ops, ``capture.layers.forward_layer_nodes``): those it allocates, less those read outside it by a
+    forward op or the program's output (its own output, the next layer's input: kept by that layer, as its
+    checkpoint's input or for its backward). Non-reentrant checkpointing keeps the layer's inputs instead."""
+    saved, forward = saved_for_backward(program), forward_nodes(program)
+    returned = {storage_owner(arg) for output in program.graph.graph.find_nodes(op="output")
+                for arg in output.all_input_nodes}
+    freed = {}
+    for layer, nodes in layers.items():
+        inside = set(nodes)
+        kept = returned | {storage_owner(arg) for user in forward - inside for arg in user.all_input_nodes}
+        freed[layer] = {node for node in nodes if node in saved and node not in kept}
+    return freed
+
+
+def selectively_kept(program: CapturedProgram, layers: dict) -> dict:
+    """Repeated layer → what "selective" recomputation keeps of it besides what "full" keeps: the outputs of its
+    ``SAVED_BY_SELECTIVE`` ops (each by its storage), whether backward reads them or not, that full recomputation
+    frees or never kept."""
+    freed, saved = recomputed_activations(program, layers), saved_for_backward(program)
+    kept = {}
+    for layer, nodes in layers.items():
+        ops = [node for node in nodes if node.target in SAVED_BY_SELECTIVE]
+        outputs = {storage_owner(node) for node in ops} | {user for node in ops for user in node.users
+                                                            if user.target is operator.getitem}
+        kept_by_full = {node for node in nodes if node in saved} - freed[layer]
+        kept[layer] = outputs - kept_by_full
+    return kept
+
+
+def all_recomputed(program: CapturedProgram, layers: dict) -> set[fx.Node]:
+    """The saved activations freed when every layer of ``layers`` (as in ``recomputed_activations``) recomputes."""
+    return set().union(*recomputed_activations(program, layers).values())
+
+
+def memory_copies(program: CapturedProgram, recomputed: set[fx.Node] = frozenset()) -> dict[fx.Node, int]:
+    """How many copies of each node's value a device holds through the step (absent: none); the activations in
+    ``recomputed`` are not kept (their layers recompute them in backward)."""
+    copies = {node: 1 for node in saved_for_backward(program) - set(recomputed)}
     copies.update({node: 1 for node in program.buffer_nodes.values()})
     copies.update({node: PARAMETER_COPIES for node in program.param_nodes.values()})
     return copies
+
+
+def recompute_memory(activations: int, layers: list[tuple[str, int, int]], recomputed) -> dict[str, int]:
+    """Activation bytes per device when the layers in ``recomputed`` recompute. ``activations``: all kept;
+    ``layers``: (layer, bytes of the saved activations it allocates, bytes recomputing it frees), in forward
+    order. "activations": what the forward keeps; "recomputed_layer": how far the backward of a recomputed layer
+    rises above that (its activations made again while the layers before it still hold theirs and those after it
+    have freed theirs)."""
+    kept = activations - sum(freed for layer, _, freed in layers if layer in recomputed)
+    later, extra = 0, 0
+    for layer, saved, freed in reversed(layers):
+        if layer in recomputed:
+            extra = max(extra, freed - later)
+        later += saved - freed if layer in recomputed else saved
+    return {"activations": kept, "recomputed_layer": extra}

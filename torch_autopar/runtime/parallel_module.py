@@ -22,7 +22,7 @@ from torch_autopar.launch.faults import collective_failure
 from torch_autopar.rewrite import GradientReducer
 from torch_autopar.rewrite.placement import batch_size
 from torch_autopar.runtime import backend as backends
-from torch_autopar.runtime import checks
+from torch_autopar.runtime import checks, recompute
 from torch_autopar.runtime.modes import get_mode
 from torch_autopar.runtime.precision import CastCall, MixedPrecision, cast_inputs, cast_outputs, reduce_dtype
 from torch_autopar.runtime.sharded import ShardedRunner, check_equal_slices
@@ -101,6 +101,7 @@ class ParallelModule(torch.nn.Module):
 
     def _set_up(self, plan: Plan) -> None:
         self.plan = plan
+        recompute.apply_plan(self.module, plan.activation_checkpointing)
         world = dist.get_world_size(self._group) if dist.is_initialized() else 1
         self._distributed = plan.is_data_parallel() and world > 1
         if world > 1 and not self._distributed:

@@ -1,51 +1,51 @@
 """Activation checkpointing: recompute activations in backward instead of keeping them from the forward.
 
-``apply_activation_checkpointing(module, "full" | "selective")`` wraps every repeated layer (each element of an
-``nn.ModuleList`` of same-class modules with parameters: the transformer blocks) in non-reentrant
+``apply_plan(module, plan.activation_checkpointing)`` wraps exactly the layers a plan names (module path →
+"full" | "selective"; ``search.recompute`` chooses them, for "auto" under the memory budget) in non-reentrant
 ``torch.utils.checkpoint``: the layer keeps only its inputs for backward and runs its forward again there.
+``apply_activation_checkpointing(module, "full" | "selective")`` wraps every repeated layer (each element of an
+``nn.ModuleList`` of same-class modules with parameters: the transformer blocks, ``layer_names``).
 "selective" keeps the outputs of the expensive ops (matmuls, attention) and recomputes only the cheap ones
 (elementwise, norms), through ``create_selective_checkpoint_contexts``. The same wrapping serves eager mode and
 graph mode (dynamo traces checkpointed regions and recomputes them in the compiled backward), so the numbers are
 those of the plain model. Parameter and module names do not change (the layer's ``forward`` is wrapped in place),
-so plans, state dicts and checkpoints stay valid. Must never change what a layer computes.
+so plans, state dicts and checkpoints stay valid. Must never change what a layer computes, nor choose layers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from torch_autopar.cost.pricing import SAVED_BY_SELECTIVE
 from torch_autopar.errors import AutoparError
-
-POLICIES = (None, "full", "selective")
-
-_aten = torch.ops.aten
-SAVED_BY_SELECTIVE = {
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-}
-"""Ops whose outputs "selective" keeps: the ones that cost FLOPs to redo (torchtitan's choice, minus its every
-other matmul rule)."""
+from torch_autopar.search.recompute import POLICIES
 
 
 def check_policy(policy) -> None:
     if policy not in POLICIES:
         raise AutoparError(f"activation_checkpointing={policy!r}: expected one of {POLICIES} (None: keep every "
-                           "activation; 'full': recompute each repeated layer; 'selective': keep matmul and "
-                           "attention outputs, recompute the rest).")
+                           "activation; 'auto': recompute the layers the memory budget needs; 'full': recompute "
+                           "each repeated layer; 'selective': keep matmul and attention outputs, recompute the rest).")
 
 
-def repeated_layers(module: nn.Module) -> list[nn.Module]:
-    """Every element of each ``nn.ModuleList`` whose elements are of one class and hold parameters."""
-    layers = []
-    for child in module.modules():
+def layer_names(module: nn.Module, policy) -> list[str]:
+    """Module paths of every element of each ``nn.ModuleList`` whose elements are of one class and hold
+    parameters, in registration order; raises when ``policy`` recomputes and there is none."""
+    names = []
+    for path, child in module.named_modules():
         if isinstance(child, nn.ModuleList) and len(child) > 0 and len({type(m) for m in child}) == 1:
-            layers.extend(m for m in child if any(True for _ in m.parameters()))
-    return layers
+            names.extend(f"{path}.{i}" if path else str(i) for i, m in enumerate(child)
+                         if any(True for _ in m.parameters()))
+    if policy is not None and not names:
+        raise AutoparError(f"activation_checkpointing={policy!r}: {type(module).__name__} has no repeated layers "
+                           "(an nn.ModuleList of same-class blocks with parameters) to recompute; keep the "
+                           "blocks in an nn.ModuleList, or leave activation_checkpointing=None.")
+    return names
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -68,21 +68,52 @@ def _checkpointed(forward, policy: str):
 
 
 def apply_activation_checkpointing(module: nn.Module, policy) -> list[nn.Module]:
-    """Wrap each repeated layer's forward as ``policy`` says; returns the wrapped layers. Idempotent."""
+    """Wrap every repeated layer's forward as ``policy`` ("full" | "selective" | None) says; returns the wrapped
+    layers. Idempotent."""
     check_policy(policy)
-    if policy is None:
-        return []
-    layers = repeated_layers(module)
-    if not layers:
-        raise AutoparError(f"activation_checkpointing={policy!r}: {type(module).__name__} has no repeated layers "
-                           "(an nn.ModuleList of same-class blocks with parameters) to recompute; keep the "
-                           "blocks in an nn.ModuleList, or leave activation_checkpointing=None.")
-    for layer in layers:
-        current = layer.forward
-        if getattr(current, "_autopar_checkpointed", None) is None:
-            layer.forward = _checkpointed(current, policy)
-    _without_kv_cache(module)
-    return layers
+    if policy == "auto":
+        raise AutoparError("activation_checkpointing='auto' is chosen by the planner under the memory budget: pass "
+                           "it to autopar.compile (or autopar.plan); here expected 'full', 'selective' or None.")
+    return apply_plan(module, {name: policy for name in layer_names(module, policy)} if policy else {})
+
+
+def apply_plan(module: nn.Module, layers: dict[str, str]) -> list[nn.Module]:
+    """Wrap the forward of each layer of ``layers`` (module path → "full" | "selective", a plan's
+    ``activation_checkpointing``); returns the wrapped layers. Idempotent: a layer already wrapped is kept so."""
+    wrapped = []
+    for path, policy in layers.items():
+        layer = module.get_submodule(path)
+        if getattr(layer.forward, "_autopar_checkpointed", None) is None:
+            layer.forward = _checkpointed(layer.forward, policy)
+        wrapped.append(layer)
+    if wrapped:
+        _without_kv_cache(module)
+    return wrapped
+
+
+@contextlib.contextmanager
+def applied(module: nn.Module, layers: dict[str, str]):
+    """A context in which the layers of ``layers`` are wrapped as ``apply_plan`` wraps them, unwrapped on exit
+    (the capture a plan is made from sees the layers checkpointed as graph mode's program will)."""
+    before = {path: module.get_submodule(path).__dict__.get("forward") for path in layers}
+    apply_plan(module, layers)
+    try:
+        yield
+    finally:
+        for path, forward in before.items():
+            layer = module.get_submodule(path)
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
+
+
+def captured_layers(policy, candidates: list[str]) -> dict[str, str]:
+    """The layers a plan's capture sees checkpointed under ``policy``: every candidate under "full" /
+    "selective", the given choice (a dict), none under "auto" (the search chooses after the capture)."""
+    if isinstance(policy, dict):
+        return dict(policy)
+    return {name: policy for name in candidates} if policy in ("full", "selective") else {}
 
 
 def _without_kv_cache(module: nn.Module) -> None:

@@ -13,10 +13,11 @@ import torch
 import torch.fx as fx
 
 from torch_autopar.capture import CapturedProgram
+from torch_autopar.capture.layers import forward_layer_nodes
 from torch_autopar.cost import CostModel, pricing
 from torch_autopar.cost.ops import is_free, node_flops
 from torch_autopar.cost.pricing import ADAM_STATE_PER_PARAM
-from torch_autopar.search.plan import PlannedCollective
+from torch_autopar.search.plan import LayerActivations, PlannedCollective
 from torch_autopar.strategies import Sharding
 
 
@@ -32,6 +33,9 @@ class Estimate:
     """Seconds of the last bucket's gradient sync (its gradients are ready last: nothing hides it)."""
     node_seconds: dict = field(default_factory=dict)
     """Compute seconds of one instance of each node."""
+    layers: dict = field(default_factory=dict)
+    """Repeated layer ``(family, index)`` → ``LayerActivations`` of one instance, in forward order
+    (``add_layer_activations``)."""
 
     def weight(self, node: fx.Node) -> int:
         return self.weights.get(node, 1)
@@ -176,6 +180,29 @@ def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding,
     saved = sum(local(node) for node in pricing.saved_for_backward(program))
     estimate.memory = {"parameters": params + buffers, "gradients": params,
                        "optimizer": ADAM_STATE_PER_PARAM * params, "activations": saved}
+    add_layer_activations(estimate, program, sharding, cost)
+
+
+def add_layer_activations(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
+    """Per repeated layer, one instance: the activations it saves and those recomputing it frees, on local shards
+    (``cost.pricing.recomputed_activations``, less the state its checkpoint keeps; "selective" keeps its matmul
+    outputs too), and the compute of one more forward of it (``add_compute`` first; "selective" does not redo
+    its matmuls)."""
+    def local(node):
+        return pricing.local_nbytes(node.meta.get("val"), _placements(sharding.specs.get(node)), cost)
+
+    layers = forward_layer_nodes(program)
+    saved, forward = pricing.saved_for_backward(program), pricing.forward_nodes(program)
+    freed, selective = pricing.recomputed_activations(program, layers), pricing.selectively_kept(program, layers)
+    for layer, nodes in layers.items():
+        full = sum(local(n) for n in freed[layer]) - pricing.CHECKPOINT_STATE_BYTES
+        redone = [n for n in nodes if n in forward]
+        estimate.layers[layer] = LayerActivations(
+            saved_bytes=sum(local(n) for n in nodes if n in saved), freed_bytes=full,
+            recompute_s=sum(estimate.node_seconds.get(n, 0.0) for n in redone),
+            selective_freed_bytes=full - sum(local(n) for n in selective[layer]),
+            selective_recompute_s=sum(estimate.node_seconds.get(n, 0.0) for n in redone
+                                      if n.target not in pricing.SAVED_BY_SELECTIVE))
 
 
 def in_dtype(info, dtype: torch.dtype | None) -> int:

@@ -20,6 +20,7 @@ from torch_autopar.capture.layers import reshard_groups
 from torch_autopar.cost.ops import is_free
 from torch_autopar.search import estimate as est
 from torch_autopar.search import module_layouts as modules
+from torch_autopar.search import recompute
 from torch_autopar.search.layouts import sharding_from_layouts
 from torch_autopar.search.plan import Plan, PlannedCollective, is_one_tensor_layout
 from torch_autopar.strategies import Redistribution, boundary, format_placements, parse_placements, propagate
@@ -48,9 +49,9 @@ class Executing:
         if plan.is_data_parallel() or self.mesh.size() == 1:
             return plan
         laid_out = self._runs_as_laid_out(plan)
-        if self.mode == "graph" and laid_out:
-            return self._relaid(plan)
-        return self._dtensor_placed(plan, laid_out)
+        result = self._relaid(plan) if self.mode == "graph" and laid_out else self._dtensor_placed(plan, laid_out)
+        recompute.apply_choice(result, plan.activation_checkpointing)
+        return result
 
     def _relaid(self, plan: Plan) -> Plan:
         """The plan priced again from its own node layouts (what graph mode's program runs): equal to ``plan``

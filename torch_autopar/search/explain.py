@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import html
 
+from torch_autopar.search.recompute import recomputed
+
 
 def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -56,6 +58,20 @@ def _pipeline_lines(plan) -> list[str]:
     return lines
 
 
+def _recompute_lines(plan) -> list[str]:
+    """Which repeated layers recompute in backward (activation checkpointing), what it frees and costs."""
+    chosen, figures = plan.activation_checkpointing, plan.layer_activations
+    if not chosen:
+        return [f"activation checkpointing: none ({len(figures)} repeated layers keep their activations)"] if figures else []
+    priced = recomputed(plan, chosen)
+    freed, seconds = sum(f for f, _ in priced.values()), sum(s for _, s in priced.values())
+    names = list(chosen)
+    shown = ", ".join(f"{name} ({how})" for name, how in list(chosen.items())[:8]) + (", ..." if len(names) > 8 else "")
+    return [f"activation checkpointing: {len(names)} of {max(len(figures), len(names))} repeated layers recompute in "
+            f"backward: {shown}; frees {_bytes(freed)} of activations per device, adds {_seconds(seconds)} of "
+            "forward per step"]
+
+
 def explain(plan) -> str:
     mesh = " x ".join(f"{name}={size}" for name, size in zip(plan.axis_names, plan.mesh_shape))
     lines = [f"torch_autopar plan: strategy={plan.strategy}  mesh: {mesh}  hardware={plan.hardware}"
@@ -68,6 +84,7 @@ def explain(plan) -> str:
                  f"exposed communication {_seconds(plan.exposed_comm_time)})")
     breakdown = ", ".join(f"{k} {_bytes(v)}" for k, v in plan.memory_breakdown.items())
     lines.append(f"peak memory per device: {_bytes(plan.peak_memory)} ({breakdown})")
+    lines += _recompute_lines(plan)
     if plan.replicated_ops:
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(plan.replicated_ops.items()))
         lines.append(f"ops replicated for lack of a sharding rule: {ops}")

@@ -65,6 +65,22 @@ class StageRow:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LayerActivations:
+    """One repeated layer as activation checkpointing prices it: bytes per device on the plan's local shards."""
+
+    saved_bytes: int
+    """Activations its forward keeps for backward."""
+    freed_bytes: int
+    """Of those, what recomputing it frees (all but what ops after it read: its output, kept by the next layer)."""
+    recompute_s: float
+    """Seconds of one more forward of it: what recomputing it adds to backward."""
+    selective_freed_bytes: int = 0
+    """What "selective" recomputation frees: ``freed_bytes`` less its matmul and attention outputs, which it keeps."""
+    selective_recompute_s: float = 0.0
+    """Seconds "selective" recomputation adds: the forward of all but those ops."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class NodeLayout:
     """Where one node of the captured joint graph lives: its output's placements (one tuple per mesh axis, e.g.
     ("S(0)", "R"); for an op with several outputs, one such tuple or None per output) and the placements each
@@ -143,6 +159,12 @@ class Plan:
     module_layouts: dict[str, ModuleLayout] = field(default_factory=dict)
     """Submodule path ("blocks.0.attn") → the layouts its inputs enter and its outputs leave in: what eager
     mode's hooks redistribute to (empty where eager mode runs DTensor's own choices)."""
+    activation_checkpointing: dict[str, str] = field(default_factory=dict)
+    """Repeated layer (module path, "blocks.3") → how it recomputes its activations in backward ("full" or
+    "selective", ``runtime.recompute``): the runtime wraps exactly these; empty: every activation is kept.
+    Priced in ``peak_memory`` and ``estimated_step_time`` (``search.recompute``)."""
+    layer_activations: dict[str, LayerActivations] = field(default_factory=dict)
+    """Repeated layer (module path) → what recomputing it frees and costs, in forward order."""
 
     def stage_of(self, layer: str) -> int:
         """The pipeline stage that runs module ``layer`` (0 when not pipelined)."""
@@ -233,6 +255,8 @@ class Plan:
         data["param_compute_placements"] = {k: tuple(v) for k, v in data.get("param_compute_placements", {}).items()}
         data["module_layouts"] = {path: ModuleLayout(inputs=_tuples(layout["inputs"]), outputs=_tuples(layout["outputs"]))
                                   for path, layout in data.get("module_layouts", {}).items()}
+        data["layer_activations"] = {path: LayerActivations(**row)
+                                     for path, row in data.get("layer_activations", {}).items()}
         return Plan(**data)
 
     def explain(self) -> str:

@@ -7,7 +7,9 @@ Two ways to place nodes:
                named strategy (``strategies.roles``): one problem per planner, each restriction bounds its leaves.
 "auto" is the unrestricted search, compared with every named strategy under the same estimator, so it never
 returns a plan slower than one of them; a named restriction is not solved when auto's proven optimum, priced as
-its estimate, already bounds it. Must never run a collective.
+its estimate, already bounds it. Each candidate gets the repeated layers the activation-checkpointing policy
+recomputes (``search.recompute``: for "auto", the fewest that fit the budget) before candidates are compared, and
+the search's memory constraint leaves out the activations the policy may free. Must never run a collective.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch.distributed.tensor import Partial
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.fold import Folding
 from torch_autopar.capture.program import params_fingerprint
-from torch_autopar.capture.layers import node_weights
+from torch_autopar.capture.layers import forward_layer_nodes, node_weights
 from torch_autopar.cost import CostModel, HardwareProfile, pricing
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
@@ -32,6 +34,7 @@ from torch_autopar.search.layer_rows import layer_rows
 from torch_autopar.search import module_layouts as modules
 from torch_autopar.search.layouts import node_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
+from torch_autopar.search import recompute
 from torch_autopar.search.plan import Plan
 from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build_problem
 from torch_autopar.search.role_seeds import role_seeds
@@ -82,7 +85,7 @@ class Planner(Executing):
                  global_batch: int | None = None, solver: str = "auto", time_limit_s: float = 60.0,
                  folding=None, mode: str = "eager", param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, full_batch: bool = False,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, activation_checkpointing=None, recompute_candidates=None):
         self.program, self.mesh, self.axis_names = program, mesh, tuple(axis_names)
         self.full_batch = full_batch
         """Every rank passes the whole batch: inputs arrive and outputs leave replicated (``strategies.boundary``)."""
@@ -103,6 +106,11 @@ class Planner(Executing):
         (None: their own). Compute and activations are priced from the captured graph, which computes in it."""
         self.reshard_after_forward = reshard_after_forward
         """Plans made here gather fully-sharded parameters per group around forward and backward (``Plan``)."""
+        self.activation_checkpointing = activation_checkpointing
+        """The recompute policy (``search.recompute.POLICIES``, or a choice: module path → "full" | "selective")
+        each candidate plan is given after its layouts."""
+        self.recompute_candidates = None if recompute_candidates is None else list(recompute_candidates)
+        """Module paths of the repeated layers the runtime can recompute (None: every layer captured as one)."""
 
     # one candidate ----------------------------------------------------------------------------------------------
     def propagated(self, strategy: str) -> Plan:
@@ -160,7 +168,8 @@ class Planner(Executing):
         generated = time.perf_counter()
         limit = MAX_EXACT_EDGE_VARIABLES if self.solver == "auto" else float("inf")
         try:
-            problem = build_problem(self.program, space, self.cost, self._arrival, self.budget, self.weights, limit)
+            problem = build_problem(self.program, space, self.cost, self._arrival, self.budget, self.weights, limit,
+                                    recomputed=self._recomputable())
             edge_variables = problem.size()[1]
         except ProblemTooLarge as too_large:
             problem, edge_variables = None, too_large.edge_variables
@@ -169,6 +178,32 @@ class Planner(Executing):
         if restriction is None:
             self._shared = built
         return built
+
+    def _recomputable(self) -> set:
+        """The saved activations the policy may free ("auto", "full": the candidates' layers'), which the search's
+        memory constraint does not count: it sizes layouts as if they all recompute, and ``_recompute`` then
+        chooses, on the plan, which really do."""
+        policy = self.activation_checkpointing
+        if isinstance(policy, dict):
+            wanted = {name for name, how in policy.items() if how == "full"}
+        elif policy in ("auto", "full"):
+            wanted = None if self.recompute_candidates is None else set(self.recompute_candidates)
+        else:
+            return set()
+        layers = {key: nodes for key, nodes in forward_layer_nodes(self.program).items()
+                  if wanted is None or set(self._real_layers(*key)) & wanted}
+        return pricing.all_recomputed(self.program, layers)
+
+    def _real_layers(self, family: str, index: int) -> list[str]:
+        """Module paths of the real layers captured layer ``family.index`` stands for."""
+        return [f"{family}.{real}" for real in self.folding.real_layers(family, index)]
+
+    def _recompute(self, plan: Plan) -> Plan:
+        """``plan`` with the recomputed layers the policy chooses for it (``search.recompute.choose``)."""
+        candidates = self.recompute_candidates
+        recompute.choose(plan, self.activation_checkpointing,
+                         list(plan.layer_activations) if candidates is None else candidates, self.budget)
+        return plan
 
     def searched_many(self, strategies: list[str], restriction=None) -> dict[str, Plan]:
         """Exact searches for several named strategies over one problem (restrictions bound leaf choices)."""
@@ -306,6 +341,7 @@ class Planner(Executing):
             node_layouts=layouts, module_layouts={} if local_compute else modules.module_layouts(program, layouts),
             param_compute_placements={} if local_compute else self._real_params(modules.compute_layouts(program, layouts)),
             full_batch=self.full_batch, reshard_after_forward=self.reshard_after_forward,
+            layer_activations={path: row for key, row in estimate.layers.items() for path in self._real_layers(*key)},
         )
 
     # choosing ---------------------------------------------------------------------------------------------------
@@ -314,11 +350,11 @@ class Planner(Executing):
         if strategy == "auto":
             return self._auto(executable)
         plan = self.propagated(strategy) if strategy in ("data_parallel", "stand_alone") else self.searched(strategy)
-        return self._within_budget([self.executed(plan) if executable else plan])
+        return self._within_budget([self._recompute(self.executed(plan) if executable else plan)])
 
     def _auto(self, executable: bool) -> Plan:
         if self.mesh.size() == 1:
-            return self._within_budget([self.propagated("stand_alone")])
+            return self._within_budget([self._recompute(self.propagated("stand_alone"))])
         names = ["data_parallel", "auto", "fully_shard", "tensor_parallel"] + (["fsdp_tp"] if self.mesh.ndim >= 2 else [])
         if executable and self.program.buffer_updates:
             # Batch statistics (batch norm in training): data parallelism computes them per rank, as DDP does
@@ -329,7 +365,7 @@ class Planner(Executing):
             plan.notes.append("the forward updates batch statistics (" + ", ".join(sorted(self.program.buffer_updates))[:120]
                               + "): auto keeps data parallelism so that they stay per rank, as with DDP; name a "
                               "sharded strategy to get statistics over the global batch")
-            best = self._within_budget([plan])
+            best = self._within_budget([self._recompute(plan)])
             best.strategy = "auto"
             return best
         # Each named strategy is planned exactly as plan(strategy=name) plans it, so auto can never lose to one
@@ -342,10 +378,13 @@ class Planner(Executing):
                 continue
             plan = self.propagated(name) if name == "data_parallel" else self._searched_or_none(name)
             if plan is not None:
-                plan = self.executed(plan) if executable else plan
+                plan = self._recompute(self.executed(plan) if executable else plan)
                 plan.search_stats["candidate"] = name
                 plans.append(plan)
         if not any(plan.peak_memory <= self.budget for plan in plans) and getattr(self, "infeasible", None):
+            if self.activation_checkpointing == "auto":  # the search sized it with every candidate recomputed
+                raise AutoparError(f"{self.infeasible} (activation_checkpointing='auto': even with every repeated "
+                                   "layer recomputed)")
             raise self.infeasible  # the search's error states the smallest memory any plan needs
         best = self._within_budget(plans)
         best.notes.append("auto compared " + ", ".join(
@@ -372,10 +411,12 @@ class Planner(Executing):
         fitting = [plan for plan in plans if plan.peak_memory <= self.budget]
         if not fitting:
             smallest = min(plan.peak_memory for plan in plans)
+            recomputing = (" even with every repeated layer recomputed (activation_checkpointing='auto')"
+                           if self.activation_checkpointing == "auto" else "")
             raise AutoparError(
                 f"no plan fits the memory budget of {self.budget:,} bytes per device: the smallest candidate "
-                f"({', '.join(p.strategy for p in plans)}) needs {smallest:,} bytes. Raise memory_budget, use more "
-                "devices, or a smaller batch."
+                f"({', '.join(p.strategy for p in plans)}) needs {smallest:,} bytes{recomputing}. Raise "
+                "memory_budget, use more devices, or a smaller batch."
             )
         return min(fitting, key=lambda plan: plan.estimated_step_time)
 
@@ -393,12 +434,16 @@ def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strate
                bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, global_batch: int | None = None,
                executable: bool = False, solver: str = "auto", folding=None, mode: str = "eager",
                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-               full_batch: bool = False, reshard_after_forward: bool = True) -> Plan:
-    """The best plan for ``program`` on ``mesh`` among the candidates ``strategy`` allows."""
+               full_batch: bool = False, reshard_after_forward: bool = True, activation_checkpointing=None,
+               recompute_candidates=None) -> Plan:
+    """The best plan for ``program`` on ``mesh`` among the candidates ``strategy`` allows, with the layers
+    ``activation_checkpointing`` recomputes (among ``recompute_candidates``, module paths; None: every repeated
+    layer captured)."""
     planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
                       bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver, folding=folding,
                       mode=mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype, full_batch=full_batch,
-                      reshard_after_forward=reshard_after_forward)
+                      reshard_after_forward=reshard_after_forward, activation_checkpointing=activation_checkpointing,
+                      recompute_candidates=recompute_candidates)
     plan = planner.plan(strategy, executable=executable)
     if param_dtype is not None:
         plan.notes.append(f"mixed precision: compute and activations in {param_dtype}, gradient reductions in "

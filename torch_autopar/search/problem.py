@@ -133,7 +133,7 @@ class ProblemTooLarge(Exception):
 
 class _Builder:
     def __init__(self, program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival, weights: dict,
-                 max_edge_variables: float):
+                 max_edge_variables: float, recomputed: set):
         self.program, self.space, self.cost, self.arrival = program, space, cost, arrival
         self.weights = weights
         self.max_edge_variables, self.edge_variables = max_edge_variables, 0
@@ -143,7 +143,7 @@ class _Builder:
         self.followers: set[fx.Node] = set()
         self.id_cache: dict = {}
         self.matrix_cache: dict = {}
-        self.copies = pricing.memory_copies(program)
+        self.copies = pricing.memory_copies(program, recomputed)
         self.flops: dict[fx.Node, float] = {}
 
     def build(self) -> ShardingProblem:
@@ -164,6 +164,7 @@ class _Builder:
             source, index = node.args
             decision_of[node] = decision_of[source]
             self.problem.output_of[node] = lambda a, s=source, i=index: self.problem.node_output(s, a)[i]
+            self._add_output_memory(self.problem.decisions[decision_of[node]], node)
             return
         if self._try_follow(node):
             return
@@ -235,6 +236,15 @@ class _Builder:
             return np.zeros(len(strategies))
         value = node.meta.get("val")
         return np.array([copies * pricing.local_nbytes(value, s.output, self.cost) for s in strategies], dtype=float)
+
+    def _add_output_memory(self, decision: Decision, node: fx.Node) -> None:
+        """The memory of one output of a multi-output op (a saved mean of a layer norm), in the layout each
+        strategy of its op's decision gives it."""
+        copies = self.copies.get(node, 0) * self.weights.get(node, 1)
+        if copies:
+            value = node.meta.get("val")
+            decision.memory += np.array([copies * pricing.local_nbytes(value, self.problem.node_output(node, a), self.cost)
+                                         for a in range(len(decision.strategies))], dtype=float)
 
     # edges ------------------------------------------------------------------------------------------------------
     def reshard(self, source, target, nbytes: int) -> float:
@@ -315,10 +325,11 @@ class _Builder:
 
 def build_problem(program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival,
                   memory_budget: float = float("inf"), weights: dict | None = None,
-                  max_edge_variables: float = float("inf")) -> ShardingProblem:
+                  max_edge_variables: float = float("inf"), recomputed: set = frozenset()) -> ShardingProblem:
     """``arrival(node)``: the placements a user input arrives in (each rank's slice: Shard(0) on every axis).
     ``weights``: how many real nodes a captured node stands for (folded layers; absent: 1).
+    ``recomputed``: saved activations not counted in memory (their layers may recompute them).
     Raises ``ProblemTooLarge`` as soon as the problem has more than ``max_edge_variables`` edge variables."""
-    problem = _Builder(program, space, cost, arrival, weights or {}, max_edge_variables).build()
+    problem = _Builder(program, space, cost, arrival, weights or {}, max_edge_variables, recomputed).build()
     problem.memory_budget = memory_budget
     return problem

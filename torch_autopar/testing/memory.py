@@ -6,7 +6,8 @@ count of bytes the step allocated and had not yet freed. The profiler records ev
 the CPU allocator while it runs (DTensor's internals, collectives' buffers, a storage resized back to its size),
 so memory freed by resizing a storage to zero (FSDP2, ``runtime.fsdp``) is seen as freed, which ``MemTracker``
 (which sizes a storage when it first sees it) cannot see. Frees of what existed before the step are not
-counted: clear gradients before calling it. Must never change what ``step`` computes.
+counted: clear gradients before calling it. ``kept_bytes(run)``: what ``run()`` allocated and still holds when
+it returns (after a forward: the activations kept for backward). Must never change what ``step`` computes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,15 @@ def step_peak_bytes(step, *holders) -> int:
     held = held_bytes(*holders)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
         step()
-    return held + _highest_total_allocated(profiler)
+    return held + _allocated(profiler)[0]
+
+
+def kept_bytes(run) -> int:
+    """Bytes ``run()`` allocated and had not freed when it returned: for a forward whose result the caller keeps,
+    the activations autograd keeps for backward (and the outputs)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        run()
+    return _allocated(profiler)[1]
 
 
 def held_bytes(*holders) -> int:
@@ -53,10 +62,10 @@ def _held_tensors(holders) -> list[torch.Tensor]:
     return tensors
 
 
-def _highest_total_allocated(profiler) -> int:
-    """The highest count of bytes allocated since the profiler started and not yet freed, from the CPU memory
-    events of its trace (each allocation by address, each free matched to one; frees of older memory are not
-    the step's; an address allocated again counts as freed first)."""
+def _allocated(profiler) -> tuple[int, int]:
+    """The highest count of bytes allocated since the profiler started and not yet freed, and that count when it
+    stopped, from the CPU memory events of its trace (each allocation by address, each free matched to one; frees
+    of older memory are not the step's; an address allocated again counts as freed first)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         profiler.export_chrome_trace(path)
@@ -73,4 +82,4 @@ def _highest_total_allocated(profiler) -> int:
             highest = max(highest, current)
         else:
             current -= live.pop(args["Addr"], 0)
-    return highest
+    return highest, current
