@@ -2,8 +2,8 @@
 recomputing a repeated layer frees) against the allocator's record (``testing.memory.kept_bytes``: bytes a
 forward allocated and still holds when it returns), in one process: every layer keeping its activations, some
 and all of them recomputing, all of them recomputing selectively (``runtime.recompute.apply_plan``), on the
-project's GPT and the block MLP, within 15%. And the pricing functions by hand: a recomputed layer's backward makes its activations again while the
-layers before it still hold theirs.
+project's GPT and the block MLP, within 15%. And the pricing functions by hand: a recomputed layer's backward
+makes its activations again while the layers before it still hold theirs.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ def _gpt():
 
 
 def _tokens(step=0):
-    return torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size), generator=torch.Generator().manual_seed(step))
+    generator = torch.Generator().manual_seed(step)
+    return torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size), generator=generator)
 
 
 def _plan(policy=None, budget=None, mesh_shape=(1,), strategy="auto"):
@@ -121,7 +122,8 @@ def _reference():
 
 
 def _wrapped(model) -> dict:
-    return {f"blocks.{i}": getattr(block.forward, "_autopar_checkpointed", None) for i, block in enumerate(model.blocks)}
+    return {f"blocks.{i}": getattr(block.forward, "_autopar_checkpointed", None)
+            for i, block in enumerate(model.blocks)}
 
 
 def test_compiled_auto_recomputes_the_planned_layers_with_the_same_numbers():

@@ -40,6 +40,8 @@ SAVED_BY_SELECTIVE = {
 }
 """Ops whose outputs "selective" recomputation keeps (``runtime.recompute``): the ones that cost FLOPs to redo
 (torchtitan's choice, minus its every other matmul rule)."""
+CASTS = (_aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+"""How a captured mixed-precision call casts a parameter (``runtime.precision.CastCall``)."""
 CHECKPOINT_STATE_BYTES = torch.get_rng_state().numel()
 """What non-reentrant ``torch.utils.checkpoint`` keeps per recomputed layer besides its inputs: the CPU random
 generator's state, to replay the layer's random ops (dropout) when it recomputes."""
@@ -204,13 +206,15 @@ def storage_owner(node: fx.Node) -> fx.Node:
 def saved_for_backward(program: CapturedProgram) -> set[fx.Node]:
     """The activations autograd keeps from the forward until backward reads them: each forward value read by an
     op outside the forward (backward) or returned, as the node that allocated its storage (a saved view keeps its
-    base whole). Placeholders are not activations: parameters, buffers and inputs are held anyway."""
+    base whole). Placeholders are not activations: parameters, buffers and inputs are held anyway; nor are the
+    mixed-precision casts of parameters (copies of parameters, counted with them where a plan gathers them)."""
     forward = forward_nodes(program)
+    weights = set(program.param_nodes.values()) | set(program.buffer_nodes.values())
     saved = set()
     for node in forward:
         if any(user not in forward for user in node.users):
             owner = storage_owner(node)
-            if owner.op == "call_function":
+            if owner.op == "call_function" and not (owner.target in CASTS and set(owner.all_input_nodes) <= weights):
                 saved.add(owner)
     return saved
 

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.layers import reshard_groups
+from torch_autopar.cost import pricing
 from torch_autopar.cost.ops import is_free
 from torch_autopar.search import estimate as est
 from torch_autopar.search import module_layouts as modules
@@ -32,8 +33,6 @@ BATCH_CHECK_BYTES = 16
 """The sharded runtime's per-step check that all ranks pass equal batch slices (two float64)."""
 FULL_BATCH_CHECK_BYTES = 32
 """Per input tensor, the check that all ranks pass the same full batch (two checksums and their negatives)."""
-_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-"""How a captured mixed-precision call casts a parameter (``runtime.precision.CastCall``)."""
 
 
 class Executing:
@@ -233,6 +232,6 @@ def read_by_backward(program: CapturedProgram, param: fx.Node) -> bool:
         for user in pending.pop().users:
             if program.is_backward(user):
                 return True
-            if user.op == "call_function" and (is_free(user) or user.target in _CASTS):
+            if user.op == "call_function" and (is_free(user) or user.target in pricing.CASTS):
                 pending.append(user)
     return False

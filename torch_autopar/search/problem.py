@@ -243,7 +243,8 @@ class _Builder:
         copies = self.copies.get(node, 0) * self.weights.get(node, 1)
         if copies:
             value = node.meta.get("val")
-            decision.memory += np.array([copies * pricing.local_nbytes(value, self.problem.node_output(node, a), self.cost)
+            output = self.problem.node_output
+            decision.memory += np.array([copies * pricing.local_nbytes(value, output(node, a), self.cost)
                                          for a in range(len(decision.strategies))], dtype=float)
 
     # edges ------------------------------------------------------------------------------------------------------

@@ -47,8 +47,9 @@ def apply_choice(plan: Plan, layers: dict[str, str]) -> None:
 
 def choose(plan: Plan, policy, candidates, budget: float) -> None:
     """Apply ``policy``'s choice among ``candidates`` (module paths of the layers the runtime can wrap) to
-    ``plan``: a dict is the choice itself, None keeps every activation, "full" / "selective" recompute every candidate, "auto" adds the
-    candidates one by one (most bytes freed per recompute second first) until the plan fits ``budget``, or all."""
+    ``plan``: a dict is the choice itself, None keeps every activation, "full" / "selective" recompute every
+    candidate, "auto" adds the candidates one by one (most bytes freed per recompute second first) until the plan
+    fits ``budget``, or all."""
     if isinstance(policy, dict):  # a choice already made (on another capture of the same model)
         apply_choice(plan, policy)
         return
