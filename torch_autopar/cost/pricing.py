@@ -9,8 +9,8 @@ by the storage it keeps alive, on the plan's local shard shapes); a repeated lay
 
 The MILP's objective (``search.problem``, ``search.milp``) and a plan's estimate (``search.estimate``) both price
 with these, so the solver optimises the number the plan reports; graph mode's per-rank program lays out its
-gradient buckets with the same ``grad_reduction`` and ``bucket_slot_numel``, so the plan prices the buffers that
-run. Must never choose a plan.
+gradient buckets with the same ``bucket_key``, ``grad_reduction`` and ``shard_chunk``, so the plan prices the
+buffers that run. Must never choose a plan.
 """
 
 from __future__ import annotations

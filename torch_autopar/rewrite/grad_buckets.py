@@ -4,10 +4,11 @@ where a gradient of it is first used (the program's output), and unflattened the
 
 A bucket (``Plan.grad_buckets``) holds gradients of one dtype reduced the same way (``cost.pricing.bucket_key``:
 collective kind and mesh axis): an all_reduce of their concatenation, or a reduce_scatter of a buffer laid out
-rank by rank, each gradient's chunk of its reduced dim (padded to equal chunks, ``cost.pricing.bucket_slot_numel``)
-in bucket order inside each rank's segment, so that the segment a rank receives holds its chunk of every gradient. A gradient whose layout is not its bucket's is moved
-on its own (the caller's ``redistribute``). Must never choose a bucket (the plan does) and never run a collective
-outside the traced program.
+rank by rank, each gradient's chunk of its reduced dim (padded to equal chunks of ``cost.pricing.shard_chunk``
+rows, as the plan prices them) in bucket order inside each rank's segment, so that the segment a rank receives
+holds its chunk of every gradient. A gradient whose layout is not its bucket's is moved on its own (the caller's
+``redistribute``). Must never choose a bucket (the plan does) and never run a collective outside the traced
+program.
 """
 
 from __future__ import annotations
@@ -57,8 +58,6 @@ class GradBuckets:
         present = [[name for name in bucket if name in self.target] for bucket in buckets]
         self.buckets = [_Bucket(names=names, waiting=set(names)) for names in present if names]
         self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
-        self.issued = 0
-        """Collectives issued (one per bucket)."""
 
     def add(self, node: fx.Node, value) -> bool:
         """Gradient ``node``, just computed as ``value``: taken into its bucket (True; the bucket's collective is
@@ -100,7 +99,6 @@ class GradBuckets:
             rows = [_rank_rows(grad.value.to_local(), grad.reduction, ranks) for grad in members]
             flat = torch.cat(rows, dim=1).reshape(-1)
             bucket.reduced = _compat.functional_reduce_scatter()(flat, "sum", ranks, group)
-        self.issued += 1
 
     def result(self, node: fx.Node, target: tuple) -> DTensor | None:
         """Gradient ``node`` in ``target`` from its bucket's collective, waited for and unflattened on first use
@@ -147,7 +145,8 @@ def _slot_shape(local_shape, reduction, ranks: int) -> list[int]:
 
 
 def _rank_rows(local: torch.Tensor, reduction, ranks: int) -> torch.Tensor:
-    """``local`` as ``ranks`` rows, row ``r`` rank ``r``'s chunk of the reduced dim (padded to equal chunks) flattened."""
+    """``local`` as ``ranks`` rows: row ``r`` is rank ``r``'s chunk of the reduced dim (padded to equal chunks),
+    flattened."""
     dim = reduction.dim
     chunk = pricing.shard_chunk(local.shape[dim], ranks)
     missing = chunk * ranks - local.shape[dim]
