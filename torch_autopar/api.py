@@ -140,10 +140,12 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
 
 
 def _check_pipeline_recompute(activation_checkpointing) -> None:
-    if activation_checkpointing == "auto":
-        raise AutoparError("activation_checkpointing='auto' with pipeline=: the pipeline search does not choose "
-                           "recomputation in this version; expected activation_checkpointing=None (or drop "
-                           "pipeline=).")
+    """Pipelined stages run without recomputation in this version: neither the stage runtime wraps their layers
+    nor the pipeline search prices it, so any policy is refused rather than silently dropped."""
+    if activation_checkpointing is not None:
+        raise AutoparError(f"activation_checkpointing={activation_checkpointing!r} with pipeline=: pipelined stages "
+                           "do not recompute in this version (the stage runtime and the pipeline search know no "
+                           "recomputation); expected activation_checkpointing=None, or drop pipeline=.")
 
 
 def _check_plan_recompute(activation_checkpointing) -> None:

@@ -124,6 +124,8 @@ def test_given_microbatches_and_schedule_bound_the_search(bound):
 @pytest.mark.parametrize("kwargs,pattern", [
     (dict(pipeline="auto", strategy="tensor_parallel"), r"strategy='tensor_parallel' with pipeline=auto"),
     (dict(pipeline="sometimes"), r"pipeline='sometimes': expected None, 'auto' or a positive number"),
+    (dict(pipeline="auto", activation_checkpointing="auto"), r"activation_checkpointing='auto' with pipeline="),
+    (dict(pipeline=2, activation_checkpointing="full"), r"activation_checkpointing='full' with pipeline="),
 ])
 def test_bad_auto_input(kwargs, pattern):
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: .*" + pattern):
