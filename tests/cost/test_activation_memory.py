@@ -13,6 +13,7 @@ import torch
 
 import torch_autopar as autopar
 from torch_autopar.cost import pricing
+from torch_autopar.runtime.precision import CastCall, resolve
 from torch_autopar.runtime.recompute import apply_plan
 from torch_autopar.search.recompute import recomputed
 from torch_autopar.testing.memory import kept_bytes
@@ -80,3 +81,20 @@ def test_recompute_memory_by_hand():
     assert pricing.recompute_memory(1000, layers, {"c"}) == {"activations": 910, "recomputed_layer": 90}
     # all: c's backward makes 90 again over the kept 1000 - 270
     assert pricing.recompute_memory(1000, layers, {"a", "b", "c"}) == {"activations": 730, "recomputed_layer": 90}
+
+
+def test_bf16_layers_free_what_recomputation_frees():
+    """Under mixed precision every parameter is cast at the top of the forward; a layer's ops read the casts, and
+    still belong to their layer: recomputing layers frees their bf16 activations (the allocator agrees; it also
+    holds the bf16 weight copies autograd keeps, which the model leaves out: a few percent here)."""
+    model, x = _gpt()
+    plan = autopar.plan(model, (x,), mesh_shape=(1,), hardware="h100", fold_layers=False, mixed_precision="bf16")
+    layers = list(plan.layer_activations)
+    assert len(layers) == 4 and all(row.freed_bytes > 0 for row in plan.layer_activations.values()), layers
+    for chosen in ({}, {n: "full" for n in layers[:2]}, {n: "full" for n in layers}):
+        predicted = plan.memory_breakdown["activations"] - sum(f for f, _ in recomputed(plan, chosen).values())
+        model, x = _gpt()
+        apply_plan(model, chosen)
+        call, outputs = CastCall(model, resolve("bf16")), []
+        measured = kept_bytes(lambda: outputs.append(call(x)))
+        assert abs(predicted - measured) <= TOLERANCE * measured, (chosen, predicted, measured)

@@ -24,6 +24,7 @@ WORLD = 2
 CASES = [("mlp", "data_parallel"), ("gpt", "fully_shard"), ("gpt_uneven", "fully_shard"), ("gpt", "tensor_parallel")]
 """"gpt_uneven": 97 tokens and 33 positions, so the embeddings' reduce-scatter chunks differ by a row between the
 2 ranks (padded in the bucket's buffer, cut off after)."""
+BF16_REDUCE = autopar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 CAPS = (None, 0)
 """None: compile's default cap; 0: one collective per gradient (the behaviour before buckets)."""
 
@@ -46,11 +47,11 @@ def _reference(label: str):
     return losses, support.params_of(model)
 
 
-def _counted_step(pmodel, model_name, optimizer, x, y):
+def _counted_step(pmodel, model_name, optimizer, x, y, mode):
     """(loss, collectives counted): a sharded plan's as ``support.counted_step`` counts them; data parallelism's
     backward graph (its all-reduces) counted by kind and bytes."""
     if pmodel.mesh is not None:
-        return support.counted_step(pmodel, model_name, optimizer, x, y, "graph")
+        return support.counted_step(pmodel, model_name, optimizer, x, y, mode)
     optimizer.zero_grad(set_to_none=True)
     loss = support.loss_fn(model_name, pmodel(x), y)
     with CollectiveCounter() as counter:
@@ -83,18 +84,21 @@ def _planned(plan, sharded: bool) -> dict:
     return counts
 
 
-def _run_case(rank, label, strategy, cap):
+def _run_case(rank, label, strategy, cap, mixed_precision=None, mode="graph"):
     torch._dynamo.reset()
     model, model_name = _model(label), _data(label)
     x, _ = support.global_batch(model_name, 0)
     options = {} if cap is None else {"bucket_cap_bytes": cap}
-    pmodel = autopar.compile(model, x.chunk(WORLD)[rank], strategy=strategy, mode="graph", hardware="cpu-gloo",
+    if mixed_precision is not None:
+        options["mixed_precision"] = mixed_precision
+    pmodel = autopar.compile(model, x.chunk(WORLD)[rank], strategy=strategy, mode=mode, hardware="cpu-gloo",
                              **options)
     optimizer = support.make_optimizer("adamw", pmodel.parameters())
     losses, counts = [], []
     for step in range(support.STEPS):
         x, y = support.global_batch(model_name, step)
-        loss, counted = _counted_step(pmodel, model_name, optimizer, x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
+        loss, counted = _counted_step(pmodel, model_name, optimizer, x.chunk(WORLD)[rank], y.chunk(WORLD)[rank],
+                                      mode)
         losses.append(loss)
         counts.append(dict(counted))
     state = pmodel.state_dict()
@@ -106,8 +110,12 @@ def _run_case(rank, label, strategy, cap):
 
 
 def _job(rank, world):
-    return {(model, strategy, cap): support.outcome(_run_case, rank, model, strategy, cap)
-            for model, strategy in CASES for cap in CAPS}
+    results = {(model, strategy, cap): support.outcome(_run_case, rank, model, strategy, cap)
+               for model, strategy in CASES for cap in CAPS}
+    for mode in ("graph", "eager"):
+        results[("bf16_reduce", mode)] = support.outcome(_run_case, rank, "gpt", "fully_shard", None, BF16_REDUCE,
+                                                         mode)
+    return results
 
 
 def _per_kind(counts: dict) -> dict:
@@ -151,6 +159,26 @@ def test_buckets_equal_one_process_and_the_plan(results, case):
         assert total[None] <= total[0], f"{case}: {total[None]} collectives with buckets, {total[0]} without"
     else:
         assert total[None] < total[0], f"{case}: {total[None]} collectives with buckets, {total[0]} without"
+
+
+def test_buckets_reduce_in_the_policy_reduce_dtype_as_planned(results):
+    """Under mixed precision the buckets (and any gradient moved alone) reduce in ``reduce_dtype``: the reductions
+    the program runs are those the plan lists (bf16: half of fp32's bytes), and the losses equal eager mode's
+    under the same policy (which casts each gradient before DTensor reduces it). (Forward gathers are left out:
+    two of them still run in fp32 where the plan prices bf16.)"""
+    status, fp32 = results[("gpt", "fully_shard", None)][0]
+    assert status == "ok", fp32
+    for rank, ((status, run), (eager_status, eager)) in enumerate(zip(results[("bf16_reduce", "graph")],
+                                                                       results[("bf16_reduce", "eager")])):
+        assert status == eager_status == "ok", f"rank {rank}: {status}: {run}; eager: {eager_status}: {eager}"
+        reductions = lambda counts: {key: n for key, n in counts.items() if key[0] != "all_gather"}  # noqa: E731
+        for step, counted in enumerate(run["counted"]):
+            assert reductions(counted) == reductions(run["planned"]), \
+                f"rank {rank} step {step}: ran {sorted(counted.items())}, planned {sorted(run['planned'].items())}"
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(eager["losses"]), rtol=1e-3, atol=0)
+    scatters = lambda planned: {key: n for key, n in planned.items() if key[0] == "reduce_scatter"}  # noqa: E731
+    bf16, fp32 = scatters(run["buckets_planned"]), scatters(fp32["buckets_planned"])
+    assert {(kind, axis, 2 * nbytes): n for (kind, axis, nbytes), n in bf16.items()} == fp32, (bf16, fp32)
 
 
 def _inductor_job(rank, world):

@@ -107,3 +107,21 @@ def _reference():
 @pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_equals_one_process_on_two_ranks(job, case):
     support.assert_ranks_equal_one_process([result[case] for result in job], _reference(), str(case))
+
+
+def test_apply_plan_wraps_exactly_the_plan_layers_and_refuses_unknown_ones():
+    """A second plan replaces the first: layers it leaves out are unwrapped (back to the class's forward), a layer
+    under another policy is re-wrapped; a layer the model lacks is a clear error."""
+    from torch_autopar.runtime.recompute import apply_plan
+    model = GPT(GPTConfig(n_layer=3, n_embd=32, block_size=16))
+    policy_of = lambda: {f"blocks.{i}": getattr(b.__dict__.get("forward"), "_autopar_checkpointed", None)  # noqa: E731
+                         for i, b in enumerate(model.blocks)}
+    apply_plan(model, {"blocks.0": "full", "blocks.1": "full"})
+    assert policy_of() == {"blocks.0": "full", "blocks.1": "full", "blocks.2": None}
+    apply_plan(model, {"blocks.1": "selective"})
+    assert policy_of() == {"blocks.0": None, "blocks.1": "selective", "blocks.2": None}
+    assert "forward" not in model.blocks[0].__dict__
+    tokens = torch.randint(0, 96, (2, 16))
+    gpt_loss(model(tokens), tokens).backward()  # runs, recomputing block 1 selectively
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: the plan recomputes layer 'blocks.7'"):
+        apply_plan(model, {"blocks.7": "full"})

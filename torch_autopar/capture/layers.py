@@ -1,8 +1,8 @@
 """Detect repeated layers (transformer blocks) in a captured graph so the search solves one and ties the rest.
 
 Parameters named ``<family>.<index>.<rest>`` (an ``nn.ModuleList``) mark layer instances. Walking the graph in
-order, every node belongs to the segment of the layer whose parameter was last consumed (forward and backward
-segments are kept apart). A node of layer k > first is tied to the node at the same position of the first
+order, every node belongs to the segment of the layer whose parameter (or mixed-precision copy of one) was last
+consumed; a parameter's cast belongs to its parameter's layer (forward and backward segments are kept apart). A node of layer k > first is tied to the node at the same position of the first
 layer's segment when both have the same signature (op, shapes, arguments); matching stops at the first
 difference, so only truly identical nodes are tied. Must never change the graph.
 """
@@ -18,6 +18,9 @@ import torch.fx as fx
 from torch_autopar.capture.program import CapturedProgram
 
 _LAYER_NAME = re.compile(r"^(?P<family>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")
+CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+"""How a captured mixed-precision call casts a parameter (``runtime.precision.CastCall``): all at the top of the
+forward, so a cast belongs to its parameter's layer and the layer's ops read the cast."""
 
 
 def layer_of_param(name: str):
@@ -46,6 +49,10 @@ def _segments(program: CapturedProgram) -> dict[tuple, list[fx.Node]]:
     current = None
     for node in program.graph.graph.nodes:
         if node.op != "call_function":
+            continue
+        if node.target in CASTS and len(node.all_input_nodes) == 1 and node.all_input_nodes[0] in param_layer:
+            param_layer[node] = param_layer[node.all_input_nodes[0]]  # a parameter's low-precision copy
+            segments[(param_layer[node], program.is_backward(node))].append(node)
             continue
         used = [param_layer[a] for a in node.all_input_nodes if a in param_layer]
         if used:

@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from torch_autopar.capture import CapturedProgram
+from torch_autopar.capture.layers import CASTS
 from torch_autopar.cost.model import CollectiveCost, CostModel, is_sharded
 from torch_autopar.cost.ops import dtype_name, is_free
 
@@ -40,8 +41,6 @@ SAVED_BY_SELECTIVE = {
 }
 """Ops whose outputs "selective" recomputation keeps (``runtime.recompute``): the ones that cost FLOPs to redo
 (torchtitan's choice, minus its every other matmul rule)."""
-CASTS = (_aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-"""How a captured mixed-precision call casts a parameter (``runtime.precision.CastCall``)."""
 CHECKPOINT_STATE_BYTES = torch.get_rng_state().numel()
 """What non-reentrant ``torch.utils.checkpoint`` keeps per recomputed layer besides its inputs: the CPU random
 generator's state, to replay the layer's random ops (dropout) when it recomputes."""

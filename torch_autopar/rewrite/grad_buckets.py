@@ -3,7 +3,7 @@ buffer and reduced by one functional collective, issued as soon as its last grad
 where a gradient of it is first used (the program's output), and unflattened there.
 
 A bucket (``Plan.grad_buckets``) holds gradients of one dtype reduced the same way (``cost.pricing.bucket_key``:
-collective kind and mesh axis): an all_reduce of their concatenation, or a reduce_scatter of a buffer laid out
+collective kind and mesh axis; under mixed precision in the policy's ``reduce_dtype``, then cast back): an all_reduce of their concatenation, or a reduce_scatter of a buffer laid out
 rank by rank, each gradient's chunk of its reduced dim (padded to equal chunks of ``cost.pricing.shard_chunk``
 rows, as the plan prices them) in bucket order inside each rank's segment, so that the segment a rank receives
 holds its chunk of every gradient. A gradient whose layout is not its bucket's is moved on its own (the caller's
@@ -51,8 +51,9 @@ class GradBuckets:
     ``buckets``: the plan's buckets of parameter names; ``grads``: gradient node → (parameter name, its parameter's
     placements), for the gradients this program computes (a bucket's other names are left out)."""
 
-    def __init__(self, buckets: list[list[str]], grads: dict[fx.Node, tuple[str, tuple]], mesh: DeviceMesh):
-        self.mesh = mesh
+    def __init__(self, buckets: list[list[str]], grads: dict[fx.Node, tuple[str, tuple]], mesh: DeviceMesh,
+                 reduce_dtype: torch.dtype | None = None):
+        self.mesh, self.reduce_dtype = mesh, reduce_dtype
         self.target = {name: placements for name, placements in grads.values()}
         self.name_of = {node: name for node, (name, _) in grads.items()}
         present = [[name for name in bucket if name in self.target] for bucket in buckets]
@@ -93,12 +94,15 @@ class GradBuckets:
         members = self._members(bucket)
         if kind == "all_reduce":
             flat = torch.cat([grad.value.to_local().reshape(-1) for grad in members])
-            bucket.reduced = _compat.functional_all_reduce()(flat, "sum", group)
+            bucket.reduced = _compat.functional_all_reduce()(self._in_reduce_dtype(flat), "sum", group)
         else:
             ranks = self.mesh.size(axis)
             rows = [_rank_rows(grad.value.to_local(), grad.reduction, ranks) for grad in members]
             flat = torch.cat(rows, dim=1).reshape(-1)
-            bucket.reduced = _compat.functional_reduce_scatter()(flat, "sum", ranks, group)
+            bucket.reduced = _compat.functional_reduce_scatter()(self._in_reduce_dtype(flat), "sum", ranks, group)
+
+    def _in_reduce_dtype(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
 
     def result(self, node: fx.Node, target: tuple) -> DTensor | None:
         """Gradient ``node`` in ``target`` from its bucket's collective, waited for and unflattened on first use
@@ -115,8 +119,8 @@ class GradBuckets:
 
     def _unflatten(self, bucket: _Bucket) -> dict[fx.Node, DTensor]:
         ranks = self.mesh.size(bucket.key[2])
-        waited = _compat.functional_wait_tensor()(bucket.reduced)
         members = self._members(bucket)
+        waited = _compat.functional_wait_tensor()(bucket.reduced).to(members[0].value.dtype)
         shapes = [_slot_shape(grad.value.to_local().shape, grad.reduction, ranks) for grad in members]
         results = {}
         for grad, piece, shape in zip(members, torch.split(waited, [math.prod(s) for s in shapes]), shapes):

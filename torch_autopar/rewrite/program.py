@@ -82,12 +82,12 @@ class _Rewriter(fx.Interpreter):
     """Runs the joint graph on DTensors whose layouts follow the plan (under ``make_fx``: traced, not run)."""
 
     def __init__(self, graph_module: fx.GraphModule, plan: Plan, mesh: DeviceMesh, arrival: dict, leaving: dict,
-                 batch_tangents: set, grads: dict):
+                 batch_tangents: set, grads: dict, reduce_dtype: torch.dtype | None = None):
         super().__init__(graph_module, garbage_collect_values=True)
-        self.plan, self.mesh = plan, mesh
+        self.plan, self.mesh, self.reduce_dtype = plan, mesh, reduce_dtype
         self.arrival, self.leaving, self.batch_tangents = arrival, leaving, batch_tangents
         self.grad_layouts = {node: placements for node, (_, placements) in grads.items()}
-        self.buckets = GradBuckets(plan.grad_buckets, grads, mesh)
+        self.buckets = GradBuckets(plan.grad_buckets, grads, mesh, reduce_dtype)
         self.moved: dict[tuple[fx.Node, tuple], DTensor] = {}
         self.report = ProgramReport()
         self.node: fx.Node | None = None
@@ -153,8 +153,17 @@ class _Rewriter(fx.Interpreter):
         key = (producer, target)
         if key not in self.moved:
             bucketed = self.buckets.result(producer, target)
-            self.moved[key] = bucketed if bucketed is not None else value.redistribute(self.mesh, target)
+            self.moved[key] = bucketed if bucketed is not None else self._redistribute(producer, value, target)
         return self.moved[key]
+
+    def _redistribute(self, producer: fx.Node, value: DTensor, target: tuple) -> DTensor:
+        """``value`` moved to ``target``; a gradient's partial sums are reduced in ``reduce_dtype`` (mixed
+        precision, as the plan prices them) and cast back to the gradient's dtype."""
+        dtype = self.reduce_dtype
+        if (producer not in self.grad_layouts or dtype is None or dtype == value.dtype
+                or not any(p.is_partial() for p in value.placements)):
+            return value.redistribute(self.mesh, target)
+        return value.to(dtype).redistribute(self.mesh, target).to(value.dtype)
 
     def _conform(self, node: fx.Node, output):
         """``output`` in the layout the plan gives ``node`` (a plain tensor, such as a factory op's, is
@@ -260,14 +269,15 @@ def _copy_boundary(old: fx.GraphModule, new: fx.GraphModule) -> None:
     new.recompile()
 
 
-def _rewrite(joint_graph: fx.GraphModule, plan: Plan, mesh: DeviceMesh, global_batch: int | None):
+def _rewrite(joint_graph: fx.GraphModule, plan: Plan, mesh: DeviceMesh, global_batch: int | None,
+             reduce_dtype: torch.dtype | None = None):
     """The joint graph traced on local shards in the plan's layouts: (graph module, report)."""
     _check_names(joint_graph, plan)
     by_position, by_index, grads = _leaving(joint_graph, plan, mesh, global_batch)
     arrival = _arrivals(joint_graph, plan, mesh, by_index)
     batch_tangents = {node for node, layout in arrival.items()
                       if _compat.input_kind(node.meta["desc"]) == "tangent" and layout == placement.batch_arrival(mesh)}
-    rewriter = _Rewriter(joint_graph, plan, mesh, arrival, by_position, batch_tangents, grads)
+    rewriter = _Rewriter(joint_graph, plan, mesh, arrival, by_position, batch_tangents, grads, reduce_dtype)
     local_inputs = [_local_value(n.meta["val"], mesh, arrival[n]) if n in arrival else n.meta.get("val")
                     for n in joint_graph.graph.find_nodes(op="placeholder")]
     graph = _compat.trace_local_joint(rewriter.run, local_inputs)
@@ -283,14 +293,14 @@ class ShardedProgram:
     mixed-precision cast, when given)."""
 
     def __init__(self, module: torch.nn.Module, plan: Plan, mesh: DeviceMesh, args: tuple, kwargs: dict, *,
-                 compilers: tuple, call=None):
+                 compilers: tuple, call=None, reduce_dtype: torch.dtype | None = None):
         fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, 1 if plan.full_batch else mesh.size())
         with contextlib.ExitStack() as stack:  # the capture's tracing context, until compiled
             with placement.global_parameters(module):
                 joint = _compat.joint_with_descriptors(stack, _CapturableOutputs(module, call), fake_args, fake_kwargs,
                                                        names_from=module)
             self.graph, self.report = _rewrite(joint.graph_module, plan, mesh,
-                                               placement.batch_size(fake_args, fake_kwargs))
+                                               placement.batch_size(fake_args, fake_kwargs), reduce_dtype)
             _compat.replace_joint_graph(joint, self.graph)
             self._compiled = _compat.compile_joint(joint, *compilers)
         self._params, self._buffers = list(joint.params_spec), list(joint.buffers_spec)

@@ -79,10 +79,17 @@ def apply_activation_checkpointing(module: nn.Module, policy) -> list[nn.Module]
 
 def apply_plan(module: nn.Module, layers: dict[str, str]) -> list[nn.Module]:
     """Wrap the forward of each layer of ``layers`` (module path → "full" | "selective", a plan's
-    ``activation_checkpointing``); returns the wrapped layers. Idempotent: a layer already wrapped is kept so."""
+    ``activation_checkpointing``) and unwrap any other layer an earlier plan wrapped, so exactly the plan's layers
+    recompute, each under its own policy; returns the wrapped layers. Idempotent."""
+    for path, child in module.named_modules():
+        policy = getattr(child.__dict__.get("forward"), "_autopar_checkpointed", None)
+        if policy is not None and layers.get(path) != policy:
+            child.forward = child.forward.__wrapped__  # what it wrapped: the class's forward, or the user's own
+            if getattr(child.forward, "__self__", None) is child and child.forward.__func__ is type(child).forward:
+                del child.forward
     wrapped = []
     for path, policy in layers.items():
-        layer = module.get_submodule(path)
+        layer = _layer(module, path)
         if getattr(layer.forward, "_autopar_checkpointed", None) is None:
             layer.forward = _checkpointed(layer.forward, policy)
         wrapped.append(layer)
@@ -91,11 +98,20 @@ def apply_plan(module: nn.Module, layers: dict[str, str]) -> list[nn.Module]:
     return wrapped
 
 
+def _layer(module: nn.Module, path: str) -> nn.Module:
+    try:
+        return module.get_submodule(path)
+    except AttributeError as missing:
+        raise AutoparError(f"the plan recomputes layer {path!r}, which {type(module).__name__} does not have "
+                           f"({missing}); expected a plan made for this model. Plan again for it (autopar.plan).") \
+            from missing
+
+
 @contextlib.contextmanager
 def applied(module: nn.Module, layers: dict[str, str]):
     """A context in which the layers of ``layers`` are wrapped as ``apply_plan`` wraps them, unwrapped on exit
     (the capture a plan is made from sees the layers checkpointed as graph mode's program will)."""
-    before = {path: module.get_submodule(path).__dict__.get("forward") for path in layers}
+    before = {path: _layer(module, path).__dict__.get("forward") for path in layers}
     apply_plan(module, layers)
     try:
         yield

@@ -28,7 +28,7 @@ from torch_autopar.rewrite.module_hooks import ModuleBoundaries
 from torch_autopar.rewrite.program import ShardedProgram
 from torch_autopar.runtime.backend import compile_own, sharded_backend, sharded_compilers
 from torch_autopar.runtime.fsdp import ReshardedGroups
-from torch_autopar.runtime.precision import CastCall, MixedPrecision, compute_parameters
+from torch_autopar.runtime.precision import CastCall, MixedPrecision, compute_parameters, reduce_dtype
 from torch_autopar.search import Plan
 
 _REPLACED: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
@@ -164,7 +164,8 @@ class ShardedRunner:
         if key not in self._programs:
             self._programs[key] = ShardedProgram(self.module, self.plan, self.mesh, args, kwargs,
                                                  compilers=sharded_compilers(stats),
-                                                 call=CastCall(self.module, self.mixed_precision))
+                                                 call=CastCall(self.module, self.mixed_precision),
+                                                 reduce_dtype=reduce_dtype(self.mixed_precision))
         return self._programs[key]
 
     def check_batch_sizes(self, args, kwargs) -> None:

@@ -307,8 +307,9 @@ class _Builder:
 
     def _gradient_edges(self) -> None:
         """One edge per gradient (parameter layouts), each with a collective's full latency: eager mode moves each
-        gradient on its own; graph mode's buckets share one latency (an upper bound here: which gradients share a
-        bucket depends on the layouts chosen; the plan's estimate prices the buckets). The gradient ready last (of
+        gradient on its own; graph mode's buckets share one latency (an approximation here, usually above: which
+        gradients share a bucket depends on the layouts chosen, and a bucket's padding is not priced; the plan's
+        estimate prices the buckets that run). The gradient ready last (of
         a folded layer: one of the real layers it stands for) keeps its own edge."""
         order = self.program.grad_ready_order()
         for name in order:

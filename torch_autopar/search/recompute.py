@@ -64,7 +64,14 @@ def choose(plan: Plan, policy, candidates, budget: float) -> None:
     for name in order:
         if plan.peak_memory <= budget:
             break
+        before = plan.peak_memory
         chosen[name] = "full"
+        apply_choice(plan, chosen)
+        if plan.peak_memory >= before:  # lowers nothing yet (remaking its activations is the new peak): skip it
+            del chosen[name]
+            apply_choice(plan, chosen)
+    if plan.peak_memory > budget:  # a skipped layer may still help together with the rest: all of them
+        chosen = {name: "full" for name in order}
         apply_choice(plan, chosen)
     if chosen:
         plan.notes.append(f"activation_checkpointing='auto': {len(chosen)} of {len(order)} layers recompute to fit "
