@@ -26,7 +26,7 @@ from torch_autopar.capture.layers import node_weights
 from torch_autopar.cost import CostModel, HardwareProfile
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
-from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
+from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets, group_buckets
 from torch_autopar.search.executed import Executing
 from torch_autopar.search.layer_rows import layer_rows
 from torch_autopar.search import module_layouts as modules
@@ -256,10 +256,11 @@ class Planner(Executing):
         return {real: value for name, value in captured.items() for real in self.folding.real_names(name)}
 
     def _plan(self, strategy: str, sharding, captured_placements: dict, bucket_cap_bytes: int | None = None,
-              local_compute: bool = False, as_searched: bool = True) -> Plan:
+              local_compute: bool = False, as_searched: bool = True, flat_grads: list | None = None) -> Plan:
         """The plan of ``sharding``. In graph mode a sharded placement the search chose (``as_searched``) is what
         the per-rank program runs: with the program's boundary moves, each gradient reduced on its own and the
-        batch-size check."""
+        batch-size check. ``flat_grads``: eager mode's flat groups (``Executing._flat_gathers``, real names),
+        whose gradients are reduced as one bucket each, of their padded bytes."""
         program, fold = self.program, self.folding
         graph_program = as_searched and self.mode == "graph" and not local_compute and self.mesh.size() > 1
         if graph_program:
@@ -273,6 +274,10 @@ class Planner(Executing):
         groups = {n: (infos[n].dtype, tuple(placements[n]), grad_layout(n)) for n in ready}
         cap = self.bucket_cap_bytes if bucket_cap_bytes is None else bucket_cap_bytes
         buckets = assign_buckets(ready, {n: infos[n].nbytes for n in ready}, cap, groups)
+        grad_nbytes = {n: est.in_dtype(info, self.reduce_dtype) for n, info in infos.items()}
+        if flat_grads:
+            buckets = group_buckets(ready, [list(flat.names) for flat in flat_grads])
+            grad_nbytes.update({n: nbytes for flat in flat_grads for n, nbytes in flat.grad_nbytes.items()})
         estimate = est.Estimate(weights=self.weights)
         if local_compute:  # each rank runs the one-process step on its 1/world of the batch
             est.add_compute(estimate, program, Sharding(specs={}), self.cost, scale=1.0 / self.mesh.size())
@@ -281,8 +286,7 @@ class Planner(Executing):
         est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names,
                                 once_per_value=self.mode == "graph")
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
-                          lambda name: program.grad_nodes.get(fold.captured_name(name)),
-                          {n: est.in_dtype(info, self.reduce_dtype) for n, info in infos.items()}, placements,
+                          lambda name: program.grad_nodes.get(fold.captured_name(name)), grad_nbytes, placements,
                           self.axis_names)
         if graph_program:
             estimate.collectives.append(self._batch_check())
