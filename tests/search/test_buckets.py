@@ -58,6 +58,6 @@ def test_greedy_invariants_on_random_inputs():
 
 def test_a_group_is_one_bucket_where_its_last_gradient_is_ready():
     ready = ["head", "b1.w", "b1.b", "b0.w", "root", "b0.b"]
-    groups = [["b0.w", "b0.b", "b0.frozen"], ["b1.w", "b1.b"]]
-    assert group_buckets(ready, groups) == [["head"], ["b1.w", "b1.b"], ["root"], ["b0.w", "b0.b", "b0.frozen"]]
+    groups = [["b0.b", "b0.w", "b0.frozen"], ["b1.w", "b1.b"]]
+    assert group_buckets(ready, groups) == [["head"], ["b1.w", "b1.b"], ["root"], ["b0.b", "b0.w", "b0.frozen"]]
     assert group_buckets(ready, [["nothing.ready"]]) == [[name] for name in ready]

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_autopar import _compat
 from torch_autopar.runtime.precision import MixedPrecision, compute_parameters
-from torch_autopar.strategies.boundary import flat_gather_axis, padded_shard_numel
+from torch_autopar.strategies.boundary import flat_gather_axis, flat_reduced, padded_shard_numel
 
 
 class FlatGroup:
@@ -116,7 +116,8 @@ class FlatGroup:
     def reduce(self, gathered: "Gathered", grads: tuple, needed: tuple) -> list:
         """Each parameter's gradient shard in its own layout (None where none is needed or none came): ONE
         reduce_scatter of the flat buffer (the gradients ``collect`` took, the other partial sums of ``grads``,
-        zeros for the rest: every rank sends the same sizes); a gradient of another layout moved by DTensor."""
+        zeros for the rest: every rank sends the same sizes), none where no gradient is a partial sum; a
+        gradient of another layout moved by DTensor."""
         send, collected = gathered.send, gathered.collected
         gathered.send, gathered.collected = None, set()
         send = send if send is not None else self._empty_send(self.dtype)
@@ -130,6 +131,8 @@ class FlatGroup:
             elif need and grad is not None:
                 reduced_ones.add(i)
             _copy_padded(self._column(send, i), grad.to_local() if i in reduced_ones else None)
+        if not reduced_ones:  # every gradient moved on its own (a replicated one keeps its rows): nothing to reduce
+            return shards
         reduced = send.new_empty(send.shape[1])
         work = dist.reduce_scatter_single(reduced, send.view(-1), group=self.group, async_op=True)
         work.wait()
@@ -154,12 +157,9 @@ class FlatGroup:
         return send[:, start:start + self.sizes[index]]
 
     def _flat_partial(self, index: int, grad: DTensor) -> bool:
-        """Whether ``grad`` is a sum still to reduce over the axis, laid out elsewhere as the whole parameter."""
-        if not isinstance(grad, DTensor):
-            return False
-        placements, wanted = grad.placements, self.computed[self.names[index]]
-        return placements[self.axis].is_partial() and getattr(placements[self.axis], "reduce_op", "") == "sum" \
-            and all(p == w for axis, (p, w) in enumerate(zip(placements, wanted)) if axis != self.axis)
+        """Whether ``grad`` joins the reduce-scatter (``boundary.flat_reduced``: a partial sum over the axis)."""
+        return isinstance(grad, DTensor) and flat_reduced(tuple(grad.placements),
+                                                          tuple(self.params[self.names[index]].placements), self.axis)
 
     def _moved(self, grad: DTensor, param: DTensor) -> DTensor:
         """A gradient the flat reduce-scatter cannot carry, moved by DTensor into its parameter's layout."""

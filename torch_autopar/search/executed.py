@@ -47,6 +47,7 @@ class FlatGather:
 
     group: str
     """The group ("blocks.3"; "" for the root)."""
+    axis: int
     names: tuple[str, ...]
     nbytes: int
     """Global bytes gathered: each parameter with its rows padded to a multiple of the axis's ranks."""
@@ -215,9 +216,10 @@ class Executing:
             for (axis, dtype), kept in members.items():
                 ranks = self.mesh.size(axis)
                 padded = {name: ranks * padded_shard_numel(infos[name].shape, ranks) for name in kept}
-                flats.append(FlatGather(group=group, names=tuple(kept), nbytes=sum(padded.values()) * dtype.itemsize,
-                                        grad_nbytes={name: numel * (self.reduce_dtype or dtype).itemsize
-                                                     for name, numel in padded.items()}))
+                reduced = (self.reduce_dtype or dtype).itemsize
+                flats.append(FlatGather(group=group, axis=axis, names=tuple(kept),
+                                        nbytes=sum(padded.values()) * dtype.itemsize,
+                                        grad_nbytes={name: numel * reduced for name, numel in padded.items()}))
         return flats
 
     def _regathered(self, plan: Plan, storage: dict, computed: dict) -> dict[str, list[str]]:

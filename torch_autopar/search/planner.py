@@ -37,6 +37,7 @@ from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build
 from torch_autopar.search.role_seeds import role_seeds
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Sharding, format_placements, propagate, seed_placements
+from torch_autopar.strategies.boundary import flat_reduced
 from torch_autopar.strategies.enumerate import StrategySpace, enumerate_strategies
 from torch_autopar.strategies.placements import spec_for
 from torch_autopar.strategies.roles import axis_roles, leaf_filter
@@ -276,7 +277,7 @@ class Planner(Executing):
         buckets = assign_buckets(ready, {n: infos[n].nbytes for n in ready}, cap, groups)
         grad_nbytes = {n: est.in_dtype(info, self.reduce_dtype) for n, info in infos.items()}
         if flat_grads:
-            buckets = group_buckets(ready, [list(flat.names) for flat in flat_grads])
+            buckets = group_buckets(ready, self._reduced_first(flat_grads, grad_layout, placements))
             grad_nbytes.update({n: nbytes for flat in flat_grads for n, nbytes in flat.grad_nbytes.items()})
         estimate = est.Estimate(weights=self.weights)
         if local_compute:  # each rank runs the one-process step on its 1/world of the batch
@@ -309,6 +310,18 @@ class Planner(Executing):
             param_compute_placements={} if local_compute else self._real_params(modules.compute_layouts(program, layouts)),
             full_batch=self.full_batch, reshard_after_forward=self.reshard_after_forward,
         )
+
+    @staticmethod
+    def _reduced_first(flat_grads: list, grad_layout, placements: dict) -> list[list[str]]:
+        """The flat groups whose reduce-scatter runs (some gradient is a partial sum over the axis:
+        ``boundary.flat_reduced``), each led by such a gradient (a bucket is priced by its first)."""
+        groups = []
+        for flat in flat_grads:
+            reduced = [n for n in flat.names if grad_layout(n) is not None
+                       and flat_reduced(tuple(grad_layout(n)), tuple(placements[n]), flat.axis)]
+            if reduced:
+                groups.append(reduced[:1] + [n for n in flat.names if n != reduced[0]])
+        return groups
 
     # choosing ---------------------------------------------------------------------------------------------------
     def plan(self, strategy: str, *, executable: bool = False) -> Plan:

@@ -13,7 +13,7 @@ them and the runtime that runs them.
   flat_gather_axis  a fully-sharded group (eager mode) gathers in ONE all_gather per mesh axis and dtype every
                  parameter whose move to its compute layout is Shard(0) -> Replicate on that axis alone, each rank
                  sending its dim-0 shard padded to ``padded_shard_numel`` (as DTensor pads uneven shards), and
-                 reduce-scatters the gradients back the same way
+                 reduce-scatters back the same way the gradients that ``flat_reduced`` admits (partial sums)
 Must never depend on a device mesh object (plans are made offline for meshes that do not exist).
 """
 
@@ -81,3 +81,11 @@ def padded_shard_numel(shape, ranks: int) -> int:
     """Elements one rank sends for a parameter of ``shape`` (its rows as gathered) in a flat all-gather over
     ``ranks`` ranks: ceil(rows / ranks) rows, the rows it holds padded (DTensor's Shard(0) of uneven sizes)."""
     return -(-shape[0] // ranks) * math.prod(shape[1:])
+
+
+def flat_reduced(grad: tuple, storage: tuple, axis: int) -> bool:
+    """Whether a gradient in ``grad`` placements joins its flat group's reduce-scatter on ``axis`` (a parameter
+    stored in ``storage``): a sum still to reduce there, laid out on the other axes as the parameter is. Another
+    gradient (a replicated one: each rank keeps its rows) is moved on its own."""
+    return grad[axis].is_partial() and getattr(grad[axis], "reduce_op", "sum") == "sum" \
+        and all(g == s for other, (g, s) in enumerate(zip(grad, storage)) if other != axis)
