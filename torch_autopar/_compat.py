@@ -344,6 +344,12 @@ def group_name(group: dist.ProcessGroup) -> str:
     return group.group_name
 
 
+def dispatched_group_name(group) -> str:
+    """The registered name of the process group a c10d op carries to the dispatcher (a ``torch.ScriptObject``:
+    ``ProcessGroup.unbox``, no public form in torch 2.13)."""
+    return dist.ProcessGroup.unbox(group).group_name
+
+
 # --- Strategy enumeration (DTensor's per-op strategy registry) -------------------------------------------------
 
 def op_strategies(op, args_schema: tuple, kwargs_schema: dict, mesh, output_meta):
@@ -418,7 +424,9 @@ def allow_implicit_replication() -> None:
 
 def collective_op_kinds() -> dict:
     """Collective ops as they reach the dispatcher (functional and c10d), by overload packet → (kind, how the
-    moved bytes are read: "input" or "output", group argument index or None for c10d ops)."""
+    moved bytes are read: "input" (the first argument), "output" or the index of the argument sent, group
+    argument index (a name, or a c10d op's process group: ``dispatched_group_name``), or None for c10d ops
+    counted on the whole world)."""
     fc, c10d = torch.ops._c10d_functional, torch.ops.c10d
     return {
         fc.all_reduce: ("all_reduce", "input", 2), fc.all_reduce_: ("all_reduce", "input", 2),
@@ -427,8 +435,8 @@ def collective_op_kinds() -> dict:
         fc.all_to_all_single: ("all_to_all", "input", 3),
         fc.broadcast: ("broadcast", "input", 2),
         c10d.allreduce_: ("all_reduce", "input", None), c10d.broadcast_: ("broadcast", "input", None),
-        c10d._allgather_base_: ("all_gather", "output", None), c10d.allgather_: ("all_gather", "output", None),
-        c10d._reduce_scatter_base_: ("reduce_scatter", "input", None),
+        c10d._allgather_base_: ("all_gather", "output", 2), c10d.allgather_: ("all_gather", "output", None),
+        c10d._reduce_scatter_base_: ("reduce_scatter", 1, 2),
     }
 
 

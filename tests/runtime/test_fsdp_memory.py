@@ -7,21 +7,27 @@ GPT; the planner predicts that peak within 15%; and 3 AdamW steps equal one proc
 parameters rtol 1e-4 / atol 1e-5). Peaks are the allocator's record (``testing.memory``), steps 2 and 3 (the
 optimizer state exists). ``reshard_after_forward=False`` runs as before (every parameter gathered once per step
 and kept until backward): equal to one process too, with a higher peak. A second backward through a retained
-graph gathers the freed parameters again (gradients exactly doubled). Without ranks: which parameters form a
-group, and the option saved and loaded with the plan.
+graph gathers the freed parameters again (gradients exactly doubled). Each group moves as flat buffers
+(``runtime.flat``): a GPT step runs one all_gather and one reduce_scatter per group and for the root, one more
+all_gather per group for its backward when it reshards, and exactly the plan's list. Without ranks: which
+parameters form a group and which join its flat all-gather, and the option saved and loaded with the plan.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import torch_autopar as autopar
 from torch_autopar.capture.layers import reshard_groups
+from torch_autopar.runtime.comm_count import CollectiveCounter, planned_summary
 from torch_autopar.runtime.fsdp import grouped_names
+from torch_autopar.strategies.boundary import flat_gather_axis, padded_shard_numel
 from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.memory import step_peak_bytes
 from torch_autopar.testing.models import GPT, BlockMLP, GPTConfig, gpt2_init, gpt_loss
@@ -197,3 +203,40 @@ def _backward_twice(rank: int, world: int) -> float:
 
 def test_a_second_backward_through_a_retained_graph_gathers_again():
     assert run_on_ranks(_backward_twice, 2, timeout_s=300) == [0.0, 0.0]
+
+
+def _gpt_collectives(rank: int, world: int, reshard: bool) -> tuple[list, Counter]:
+    model = _model("gpt")
+    x, y = (t.chunk(world)[rank] for t in _batch("gpt", 0))
+    pmodel = autopar.compile(model, x, strategy=_gathering_plan("gpt", world, reshard), mode="eager")
+    counted = []
+    for _ in range(2):
+        counter = CollectiveCounter(pmodel.mesh)
+        with counter:
+            _loss("gpt", pmodel(x), y).backward()
+        counted.append(counter.summary())
+    return counted, planned_summary(pmodel.plan)
+
+
+@pytest.mark.parametrize("reshard", (True, False), ids=("reshard", "keep_gathered"))
+def test_gpt_step_runs_one_gather_and_one_reduce_scatter_per_group_as_planned(reshard):
+    groups = GPT_CONFIG.n_layer + 1  # the blocks and the root (embeddings, final norm; the head is tied)
+    expected = {"all_gather": groups + (GPT_CONFIG.n_layer if reshard else 0), "reduce_scatter": groups,
+                "all_reduce": 1}  # the batch-size check
+    for rank, (counted, planned) in enumerate(run_on_ranks(_gpt_collectives, 2, reshard, timeout_s=300)):
+        kinds = Counter()
+        for (kind, _, _), count in planned.items():
+            kinds[kind] += count
+        assert kinds == expected, f"rank {rank}: planned {sorted(planned.items())}"
+        for step, ran in enumerate(counted):
+            assert ran == planned, f"rank {rank} step {step}: ran {sorted(ran.items())}, planned {sorted(planned.items())}"
+
+
+def test_flat_gathers_take_dim0_shards_gathered_on_one_axis_padded_as_dtensor_pads():
+    s0, s1, r, p = Shard(0), Shard(1), Replicate(), Partial()
+    assert flat_gather_axis((s0,), (r,)) == 0 and flat_gather_axis((s0, s1), (r, s1)) == 0
+    assert flat_gather_axis((r, s0), (r, r)) == 1
+    assert flat_gather_axis((s0,), (s0,)) is None  # computed sharded: nothing to gather
+    assert flat_gather_axis((s1,), (r,)) is None and flat_gather_axis((s0, s0), (r, s0)) is None
+    assert flat_gather_axis((s0, s0), (r, r)) is None and flat_gather_axis((s0, p), (r, p)) is None
+    assert padded_shard_numel((10, 3), 4) == 9 and padded_shard_numel((8,), 2) == 4 and padded_shard_numel((1, 5), 4) == 5

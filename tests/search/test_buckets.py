@@ -1,11 +1,12 @@
 """``assign_buckets``: consecutive buckets in gradient-ready order, at most ``cap_bytes`` each (a larger tensor
-gets a bucket of its own), never mixing dtypes."""
+gets a bucket of its own), never mixing dtypes. ``group_buckets``: a fully-sharded group's gradients are one bucket,
+placed where its last gradient is ready."""
 
 from __future__ import annotations
 
 import random
 
-from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
+from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets, group_buckets
 
 
 def test_empty():
@@ -53,3 +54,10 @@ def test_greedy_invariants_on_random_inputs():
                 previous = buckets[index - 1]
                 closed_by_size = sum(sizes[n] for n in previous) + sizes[bucket[0]] > cap
                 assert closed_by_size or dtypes[previous[-1]] != dtypes[bucket[0]]
+
+
+def test_a_group_is_one_bucket_where_its_last_gradient_is_ready():
+    ready = ["head", "b1.w", "b1.b", "b0.w", "root", "b0.b"]
+    groups = [["b0.b", "b0.w", "b0.frozen"], ["b1.w", "b1.b"]]
+    assert group_buckets(ready, groups) == [["head"], ["b1.w", "b1.b"], ["root"], ["b0.b", "b0.w", "b0.frozen"]]
+    assert group_buckets(ready, [["nothing.ready"]]) == [[name] for name in ready]

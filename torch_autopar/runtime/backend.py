@@ -125,7 +125,7 @@ def graph_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, str, int]]:
         if info is None or info[2] is None:
             continue
         kind, which, group_index = info
-        value = node.meta.get("val") if which == "output" else node.args[0].meta.get("val")
+        value = node.meta.get("val") if which == "output" else node.args[which if isinstance(which, int) else 0].meta.get("val")
         nbytes = tensor_nbytes(value)
         found.append((kind, str(node.args[group_index]), nbytes))
     return found

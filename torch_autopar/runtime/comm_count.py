@@ -53,9 +53,12 @@ class CollectiveCounter(TorchDispatchMode):
         info = self._kinds.get(func.overloadpacket)
         if info is not None:
             kind, which, group_index = info
-            sent = args[0] if which != "output" or isinstance(out, tuple) else out  # c10d ops return (tensors, work)
+            sent = args[which] if isinstance(which, int) else \
+                args[0] if which != "output" or isinstance(out, tuple) else out  # c10d ops return (tensors, work)
             nbytes = tensor_nbytes(sent)
             group = args[group_index] if group_index is not None and len(args) > group_index else None
+            if group is not None and not isinstance(group, str):
+                group = _compat.dispatched_group_name(group)
             axis = self._axes.get(group, str(group)) if isinstance(group, str) else self._axes.get(
                 _compat.group_name(dist.group.WORLD), "world")
             self.records.append(CountedCollective(kind, axis, nbytes, _dtype_name(sent)))

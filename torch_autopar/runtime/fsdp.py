@@ -1,41 +1,51 @@
-"""Fully-sharded groups that reshard after forward (FSDP2's ``reshard_after_forward=True``), in eager mode.
+"""Fully-sharded groups in eager mode, as FSDP2 runs them: one all_gather and one reduce_scatter per group, the
+next group's gather prefetched, and (FSDP2's ``reshard_after_forward=True``) each group freed after its forward.
 
-A fully-sharded plan stores each parameter as a shard and gathers it where the batch slices use it. Gathered
-for the whole module at once, every parameter stays whole until backward (autograd keeps what it saved): peak
-memory as large as data parallelism's. Here each group of parameters (``capture.layers.reshard_groups``: each
-layer of an ``nn.ModuleList``, the granularity FSDP2 users wrap) is gathered just before the group runs and
-freed after it, and gathered again for its backward:
+A fully-sharded plan stores each parameter as a shard and gathers it where the batch slices use it. The groups
+are FSDP2's units: each layer of an ``nn.ModuleList`` (``capture.layers.reshard_groups``, what FSDP2 users wrap
+one by one) and the root (every other parameter: embeddings, final norm, head). Each group's gathered parameters
+move as flat buffers (``runtime.flat``): ONE all_gather of every local shard, whose copy-out holds each whole
+parameter (cast under a mixed-precision policy), and in backward, once every gradient of the group is complete,
+ONE reduce_scatter that leaves each gradient's shard in its parameter's layout, as DTensor's backward would.
 
-  forward    the group's module runs through a wrapper of its ``forward`` that gathers (and casts, under a
-             mixed-precision policy) the group's parameters with ``runtime.precision.compute_parameters`` and runs
-             the original ``forward`` on them (``_compat.reparametrized``, what ``functional_call`` does). Then
-             each gathered tensor's storage is freed (``untyped_storage().resize_(0)``): autograd still holds the
-             tensors it saved (the gathered weight or a view of it), but they hold no bytes.
+  root       gathered by the runner once per call and kept for the step (backward needs it at once, as FSDP2's
+             root); with ``reshard_after_forward=False`` every group is gathered there too, and kept.
+  forward    a group's module runs through a wrapper of its ``forward`` that gathers the group (or takes the
+             gather prefetched for it), issues the next group's all_gather (asynchronous: it overlaps this
+             group's compute; "next" is the order the groups ran in the previous call, at first the order they
+             were registered in), and runs the original ``forward`` on the whole parameters
+             (``_compat.reparametrized``, what ``functional_call`` does). Then the unsharded buffer's storage is
+             freed (``untyped_storage().resize_(0)``): autograd still holds the tensors it saved (views of it),
+             but they hold no bytes. Gathers prefetched and not taken are waited for and dropped as the call
+             ends.
   backward   the group's outputs pass through ``_RegatherBeforeBackward`` (identity): the first gradient to reach
-             it gathers each parameter again into the very storage the saved tensors view (as FSDP2 refills its
-             unsharded parameter), before any backward op of the group reads it. A hook on each gathered tensor
-             frees the storage again once that tensor's gradient is complete. The gradient then flows back
-             through the gather (DTensor's backward of Shard→Replicate: a reduce-scatter into the parameter's
-             layout), so a whole gradient lives only from its op to its reduce-scatter.
+             it refills the buffer in place from one all_gather (as FSDP2 refills its unsharded parameters)
+             before any backward op of the group reads it, and issues the refill of the group that ran before it
+             (the next in backward), waited for at once: in flight, gloo's all_gather holds a whole flat copy of
+             its output, a third group at backward's peak (measured), so backward prefetches as FSDP2 does on
+             CPU, without overlap. Each whole gradient is copied into the group's flat buffer as it is made and
+             freed (``flat.FlatGroup.collect``); once all are, the buffer of parameters is freed again and the
+             group's reduce-scatter runs.
   recompute  the wrapper sits inside an activation checkpoint (``runtime.recompute.wrap_inside_checkpoint``): the
-             recompute in backward gathers again and keeps those tensors for that layer's backward only.
+             recompute in backward gathers again and keeps those tensors for that layer's backward only (its
+             forward kept nothing, so nothing is refilled).
 
-Parameters in no group (the root: embeddings, final norm, head) are gathered by the runner once per step, as
-FSDP2's root is. A group is freed only when one of its outputs carries a gradient (else nothing could refill it).
-Must never change what a group computes, keep a gathered group past its forward and its backward, or act
-outside an eager call of the runner (graph mode captures and runs its own program: the wrapper passes through).
+A group is freed only when one of its outputs carries a gradient (else nothing could refill it).
+Must never change what a group computes, keep a gathered group past its forward and its backward (a prefetch
+holds one more, gathered ahead), or act outside an eager call of the runner (graph mode captures and runs its
+own program, gathering with DTensor: the wrapper passes through).
 """
 
 from __future__ import annotations
 
-import weakref
+import contextlib
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from torch_autopar import _compat
 from torch_autopar.capture.layers import reshard_groups
-from torch_autopar.runtime.precision import MixedPrecision, compute_parameters
+from torch_autopar.runtime.flat import GroupGather
+from torch_autopar.runtime.precision import MixedPrecision
 from torch_autopar.runtime.recompute import wrap_inside_checkpoint
 
 pytree = _compat.pytree()  # torch.utils._pytree: no public equivalent in torch 2.13
@@ -54,105 +64,121 @@ def grouped_names(module: torch.nn.Module) -> dict[str, list[str]]:
             if (kept := [n for n in names if len(groups_of_param[id(params[n])]) == 1])}
 
 
-class _Gathered:
-    """One gathered parameter whose storage is freed after forward: how to refill it, and where."""
-
-    def __init__(self, tensor: DTensor, param: DTensor, placements: tuple, policy: MixedPrecision | None):
-        with torch.no_grad():
-            local = tensor.to_local()
-        self.local, self.nbytes = weakref.ref(local), local.untyped_storage().nbytes()
-        self.param, self.placements, self.policy = param, placements, policy
-
-    def free(self, *unused) -> None:
-        local = self.local()
-        if local is not None:
-            local.untyped_storage().resize_(0)
-
-    def refill(self) -> None:
-        local = self.local()
-        if local is None:  # nothing kept it for backward (a checkpointed layer keeps only its inputs)
-            return
-        with torch.no_grad():
-            fresh = compute_parameters({"p": self.param}, {"p": self.placements}, self.policy)["p"].to_local()
-            with _compat.keeping_version(local):
-                local.untyped_storage().resize_(self.nbytes)
-                local.copy_(fresh)
-
-
 class _RegatherBeforeBackward(torch.autograd.Function):
-    """Identity on a group's outputs; its backward refills the group's gathered parameters (every backward through
-    it: a second one, ``retain_graph=True``, finds them freed again by their gradient hooks)."""
+    """Identity on a group's outputs; its backward refills the group's buffers (every backward through it: a
+    second one, ``retain_graph=True``, finds them freed again after the group's reduce-scatter) and prefetches
+    the refill of the group that ran before it."""
 
     @staticmethod
-    def forward(ctx, gathered, *outputs):
-        ctx.gathered = gathered
+    def forward(ctx, gathered, previous, *outputs):
+        ctx.gathered, ctx.previous = gathered, previous
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
-        for tensor in ctx.gathered:
-            tensor.refill()
-        return (None, *grads)
+        for one in ctx.gathered:
+            one.refill()
+        for one in ctx.previous:  # issued now, waited at once: in flight, gloo's all_gather holds a whole flat
+            one.prefetch()          # copy of its output, a third group at backward's peak (measured)
+            one.settle()
+        if ctx.previous:  # a refill prefetched and never taken (that group got no gradient) is waited for
+            _compat.queue_backward_callback(lambda previous=ctx.previous: [one.drop_prefetch() for one in previous])
+        return (None, None, *grads)
 
 
-class ReshardedGroups:
-    """The groups of a fully-sharded module, each gathered around its own forward and backward."""
+class FullyShardedGroups:
+    """The groups of a fully-sharded module: the root gathered for the runner's call, the others around their
+    own forward and backward (or, not resharding, for the call too), each by one flat all_gather."""
 
-    def __init__(self, module: torch.nn.Module, gathered: dict, policy: MixedPrecision | None):
+    def __init__(self, module: torch.nn.Module, gathered: dict, policy: MixedPrecision | None, reshard: bool):
         self.enabled = False
         """Set by the runner for its eager calls only."""
         self.policy = policy
-        params = dict(module.named_parameters())
+        self.params = dict(module.named_parameters())
         self.names = grouped_names(module)
-        self.placements: dict[str, dict] = {group: {} for group in self.names}
-        """Group → its gathered parameters' compute placements (filled by ``gather``)."""
-        self.gather(gathered)
-        for group, names in self.names.items():
+        grouped = {name for names in self.names.values() for name in names}
+        self.members = {**self.names, "": [name for name in self.params if name not in grouped]}
+        """Group → its parameters; "" the root."""
+        self.gathers: dict[str, GroupGather] = {}
+        self.reshard = reshard
+        self.gather(gathered, reshard)
+        self._order = list(self.names)
+        """The order the groups ran in during the last call (prefetch: the group after the current one)."""
+        self._seen: list[str] = []
+        self._prefetched: dict[str, list] = {}
+        self._previous: tuple = ()
+        for group in self.names:
             layer = module.get_submodule(group)
-            members = {name: params[name] for name in names}
-            wrap_inside_checkpoint(layer, lambda forward, l=layer, m=members, p=self.placements[group], g=group:
-                                   self._wrap(forward, l, f"{g}.", m, p))
+            wrap_inside_checkpoint(layer, lambda forward, l=layer, g=group: self._wrap(forward, l, g))
 
-    def gather(self, gathered: dict) -> None:
-        """Gather, from the next call on, the parameters of ``gathered`` (name → compute placements)."""
-        for group, names in self.names.items():
-            self.placements[group].clear()
-            self.placements[group].update({name: gathered[name] for name in names if name in gathered})
+    def gather(self, gathered: dict, reshard: bool) -> None:
+        """Gather, from the next call on, the parameters of ``gathered`` (name → compute placements); each group
+        around its own forward and backward when ``reshard``."""
+        self.reshard = reshard
+        self.gathers = {group: GroupGather({n: self.params[n] for n in names},
+                                           {n: gathered[n] for n in names if n in gathered}, self.policy)
+                        for group, names in self.members.items()}
 
-    def grouped(self) -> set[str]:
-        """Every parameter that some group gathers itself."""
-        return {name for names in self.names.values() for name in names}
+    @contextlib.contextmanager
+    def call(self):
+        """One call of the runner: the groups' order is recorded; prefetches not taken are dropped at its end."""
+        self._seen, self._previous = [], ()
+        try:
+            yield
+        finally:
+            if self._seen:
+                self._order = self._seen
+            prefetched, self._prefetched = self._prefetched, {}
+            for group, started in prefetched.items():
+                self.gathers[group].drop(started)
 
-    def _wrap(self, forward, layer: torch.nn.Module, prefix: str, members: dict, placements: dict):
-        """``forward`` of ``layer`` run on its group's gathered parameters (named ``prefix`` + relative name)."""
+    def whole_parameters(self) -> dict:
+        """Name → tensor, for the runner's call: the root's parameters (cast, gathered by one all_gather per
+        flat group), and every group's when groups do not reshard."""
+        computed = {}
+        for group in ("",) if self.reshard else tuple(self.gathers):
+            computed.update(self.gathers[group].compute()[0])
+        return computed
+
+    def _wrap(self, forward, layer: torch.nn.Module, group: str):
+        """``forward`` of ``layer`` run on its group's gathered parameters."""
+        prefix = f"{group}."
 
         def run(*args, **kwargs):
-            if not self.enabled:
+            if not (self.enabled and self.reshard):
                 return forward(*args, **kwargs)
-            computed = compute_parameters(members, placements, self.policy)
+            recompute = _compat.in_backward()
+            computed, gathered = self.gathers[group].compute(None if recompute else self._prefetched.pop(group, None))
+            if not recompute:
+                self._seen.append(group)
+                self._prefetch_after(group)
             with _compat.reparametrized(layer, {n[len(prefix):]: t for n, t in computed.items()}):
                 output = forward(*args, **kwargs)
-            if _compat.in_backward() or not torch.is_grad_enabled():  # a recompute: kept for this backward only
+            if recompute or not torch.is_grad_enabled():  # a recompute: kept for this backward only
                 return output
-            return self._reshard(output, [(computed[n], members[n], placements[n]) for n in placements])
+            return self._reshard(output, gathered)
 
         return run
 
+    def _prefetch_after(self, group: str) -> None:
+        """Issue the all_gather of the group that ran after ``group`` in the last call."""
+        index = self._order.index(group) + 1 if group in self._order else len(self._order)
+        upcoming = self._order[index] if index < len(self._order) else None
+        if upcoming is not None and upcoming not in self._prefetched:
+            self._prefetched[upcoming] = self.gathers[upcoming].start()
+
     def _reshard(self, output, gathered: list):
-        """``output`` routed through the refill of ``gathered``, whose storage is freed now (and again once each
-        tensor's gradient is done); ``output`` as it is when no gradient can come back through it."""
+        """``output`` routed through the refill of ``gathered``, whose storage is freed now (and again once the
+        group's reduce-scatter has run); ``output`` as it is when no gradient can come back through it."""
         leaves, spec = pytree.tree_flatten(output)
         carrying = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        if not carrying:
+        if not carrying or not gathered:
             return output
-        handles = []
-        for tensor, param, placements in gathered:
-            handle = _Gathered(tensor, param, placements, self.policy)
-            if tensor.requires_grad:
-                tensor.register_hook(handle.free)
-            handle.free()
-            handles.append(handle)
-        routed = _RegatherBeforeBackward.apply(tuple(handles), *(leaves[i] for i in carrying))
+        for one in gathered:
+            one.after_reduce = one.free
+            one.free()
+        routed = _RegatherBeforeBackward.apply(tuple(gathered), self._previous, *(leaves[i] for i in carrying))
+        self._previous = tuple(gathered)
         for i, leaf in zip(carrying, routed):
             leaves[i] = leaf
         return pytree.tree_unflatten(leaves, spec)

@@ -2,8 +2,9 @@
 
 Eager: the user's ``forward`` runs op by op on DTensor parameters; hooks move each submodule's inputs and
 outputs to the plan's layouts (``rewrite.module_hooks``) and DTensor places the ops between them (prints and
-breakpoints work; a print shows a DTensor). A fully-sharded plan's eager calls gather each layer's parameters
-around its forward and backward only (``runtime.fsdp``; ``Plan.reshard_after_forward``). Graph: the plan's
+breakpoints work; a print shows a DTensor). A fully-sharded plan's eager calls gather each group's parameters
+(each layer, and the root once per call) by one all_gather and reduce-scatter their gradients by one
+reduce_scatter, each layer around its forward and backward only (``runtime.fsdp``; ``Plan.reshard_after_forward``). Graph: the plan's
 per-rank program (``rewrite.program``: every node in its planned layout, explicit collectives; parameters
 gathered once per step), compiled; ``AUTOPAR_SHARDED_GRAPH=dtensor`` instead runs the eager function through
 ``torch.compile``. Both compute the one-process numbers. Must never plan, and never leave a parameter out of
@@ -27,7 +28,7 @@ from torch_autopar.rewrite import placement
 from torch_autopar.rewrite.module_hooks import ModuleBoundaries
 from torch_autopar.rewrite.program import ShardedProgram
 from torch_autopar.runtime.backend import compile_own, sharded_backend, sharded_compilers
-from torch_autopar.runtime.fsdp import ReshardedGroups
+from torch_autopar.runtime.fsdp import FullyShardedGroups
 from torch_autopar.runtime.precision import CastCall, MixedPrecision, compute_parameters, reduce_dtype
 from torch_autopar.search import Plan
 
@@ -81,8 +82,9 @@ class ShardedRunner:
         self.boundaries = ModuleBoundaries(module, plan)
         self.gathered = placement.gathered_parameters(module, plan)
         self._params = dict(module.named_parameters())
-        self.groups: ReshardedGroups | None = None
-        """Eager mode: each group's parameters gathered around its forward and backward (``runtime.fsdp``)."""
+        self.groups: FullyShardedGroups | None = None
+        """Eager mode: each group's parameters gathered by one all_gather, around its forward and backward when
+        the plan reshards after forward (``runtime.fsdp``)."""
         self._set_groups()
         self._compiled = None
         self._programs: dict[tuple, ShardedProgram] = {}
@@ -114,14 +116,12 @@ class ShardedRunner:
         self._set_groups()
 
     def _set_groups(self) -> None:
-        """The groups gathered around their own forward and backward, for the parameters ``self.gathered``
-        gathers (a plan that keeps gathered parameters for the whole step has none)."""
+        """The groups that gather the parameters ``self.gathered`` gathers, in eager calls."""
         if self.groups is not None:
-            self.groups.gather(self.gathered)
-        elif self.plan.reshard_after_forward and self.gathered:
-            self.groups = ReshardedGroups(self.module, self.gathered, self.mixed_precision)
-        grouped = self.groups.grouped() if self.groups is not None else set()
-        self._root = {name: param for name, param in self._params.items() if name not in grouped}
+            self.groups.gather(self.gathered, self.plan.reshard_after_forward)
+        elif self.gathered:
+            self.groups = FullyShardedGroups(self.module, self.gathered, self.mixed_precision,
+                                             self.plan.reshard_after_forward)
 
     def forward(self, *args, **kwargs):
         """One call on this rank's slice: global DTensor inputs → the user's forward → this rank's outputs."""
@@ -129,19 +129,15 @@ class ShardedRunner:
         batch = placement.global_batch_size(args, kwargs, 1 if full else self.world_size)
         global_args, global_kwargs = placement.inputs_to_global(args, kwargs, self.mesh, self.plan.input_placements,
                                                                 full)
-        whole = self._whole_parameters()
-        if whole:
-            output = torch.func.functional_call(self.module, whole, global_args, global_kwargs, strict=False)
-        else:
-            output = self.module(*global_args, **global_kwargs)
+        grouped = self.groups is not None and self.groups.enabled
+        with self.groups.call() if grouped else contextlib.nullcontext():
+            whole = self.groups.whole_parameters() if grouped else compute_parameters(
+                self._params, self.gathered, self.mixed_precision)
+            if whole:
+                output = torch.func.functional_call(self.module, whole, global_args, global_kwargs, strict=False)
+            else:
+                output = self.module(*global_args, **global_kwargs)
         return placement.outputs_to_local(output, self.mesh, batch, full)
-
-    def _whole_parameters(self) -> dict:
-        """The parameters this call's forward runs on, gathered once for the step (the module's own stay sharded)
-        and cast if mixed: those of the root only when the groups gather their own."""
-        params = self._root if self.groups is not None and self.groups.enabled else self._params
-        gathered = {name: wanted for name, wanted in self.gathered.items() if name in params}
-        return compute_parameters(params, gathered, self.mixed_precision)
 
     def run(self, args, kwargs, mode: str, stats: dict):
         if not self.plan.full_batch:  # full batches are checked to be equal by the caller

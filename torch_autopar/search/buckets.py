@@ -28,3 +28,22 @@ def assign_buckets(ready_order: list[str], nbytes: dict[str, int], cap_bytes: in
             buckets.append([name])
             size = nbytes[name]
     return buckets
+
+
+def group_buckets(ready_order: list[str], groups: list[list[str]]) -> list[list[str]]:
+    """One bucket per tensor of ``ready_order``, except that each of ``groups`` is one bucket (one flat buffer,
+    as given: its first tensor's layouts price it), placed where its last ready tensor is. A group none of whose
+    tensors is ready has no bucket."""
+    group_of = {name: index for index, group in enumerate(groups) for name in group}
+    ready = set(ready_order)
+    left = {index: sum(name in ready for name in group) for index, group in enumerate(groups)}
+    buckets: list[list[str]] = []
+    for name in ready_order:
+        index = group_of.get(name)
+        if index is None:
+            buckets.append([name])
+            continue
+        left[index] -= 1
+        if left[index] == 0:
+            buckets.append(list(groups[index]))
+    return buckets

@@ -126,13 +126,16 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
 
 def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, buckets: list[list[str]],
                   grad_node, params: dict, reduce_dtype: torch.dtype | None, param_placements: dict,
-                  axis_names) -> None:
+                  axis_names, flat_nbytes: dict | None = None) -> None:
     """One collective per bucket and mesh axis on which the gradients are not yet in their parameter's layout: a
     bucket whose sync is one reduction (``cost.pricing.grad_reduction``) is one flat buffer of the bytes
     ``cost.pricing.grad_bucket_collective`` prices, as graph mode's program lays it out.
 
     ``grad_node(name)``: the captured node computing parameter ``name``'s gradient (None: no gradient);
-    ``params``: name → ``TensorInfo``; ``reduce_dtype``: the dtype gradients are reduced in (None: their own)."""
+    ``params``: name → ``TensorInfo``; ``reduce_dtype``: the dtype gradients are reduced in (None: their own);
+    ``flat_nbytes``: name → padded bytes of a gradient in an eager fully-sharded flat group (``runtime.flat``), a
+    bucket of which moves those bytes."""
+    flat_nbytes = flat_nbytes or {}
     for index, bucket in enumerate(buckets):
         first = grad_node(bucket[0])
         if first is None:
@@ -141,7 +144,9 @@ def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, bucke
         members = [(params[name].shape, _grad_layout(sharding, grad_node(name)), param_placements[name])
                    for name in bucket]
         keys = {pricing.bucket_key(None, have, want) for _, have, want in members}
-        if None in keys or len(keys) != 1:  # not one reduction: moved as the layouts of its first gradient say
+        if all(name in flat_nbytes for name in bucket):
+            moves = cost.moves(source, target, sum(flat_nbytes[name] for name in bucket))
+        elif None in keys or len(keys) != 1:  # not one reduction: moved as the layouts of its first gradient say
             moves = cost.moves(source, target, sum(in_dtype(params[name], reduce_dtype) for name in bucket))
         else:
             itemsize = (reduce_dtype or getattr(torch, params[bucket[0]].dtype)).itemsize

@@ -4,13 +4,17 @@ Graph mode runs a plan laid out for the captured program as its per-rank program
 layouts, hand edits included, priced again). Eager mode runs DTensor's per-op rules between the plan's module
 boundaries, with each parameter in the layout its first op takes (``_dtensor_placed``), plus the runtime's own
 moves: the batch arriving and outputs leaving (``strategies.boundary``), fully-sharded groups gathered around
-their forward and backward, each gradient moved into its parameter's layout, the per-step input check. Must never
-choose a layout and never run a collective.
+their forward and backward, each gradient moved into its parameter's layout, the per-step input check. A
+fully-sharded group (each layer of ``capture.layers.reshard_groups``, and the root) moves the parameters that
+``boundary.flat_gather_axis`` admits as ``runtime.flat`` does: ONE all_gather per axis and dtype in forward (one
+more in backward where it reshards after forward), ONE reduce_scatter of their gradients, each priced with one
+latency (``_flat_gathers``, the one place that lists them). Must never choose a layout and never run a collective.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -25,6 +29,7 @@ from torch_autopar.search import recompute
 from torch_autopar.search.layouts import sharding_from_layouts
 from torch_autopar.search.plan import Plan, PlannedCollective, is_one_tensor_layout
 from torch_autopar.strategies import Redistribution, boundary, format_placements, parse_placements, propagate
+from torch_autopar.strategies.boundary import flat_gather_axis, padded_shard_numel
 from torch_autopar.strategies.propagate import tangent_placements
 
 ALL_AXES_SEPARATOR = "+"
@@ -33,6 +38,21 @@ BATCH_CHECK_BYTES = 16
 """The sharded runtime's per-step check that all ranks pass equal batch slices (two float64)."""
 FULL_BATCH_CHECK_BYTES = 32
 """Per input tensor, the check that all ranks pass the same full batch (two checksums and their negatives)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlatGather:
+    """One flat all_gather of a fully-sharded group in eager mode (``runtime.flat``) and the reduce_scatter of its
+    gradients: the group's parameters that move Shard(0) -> Replicate on one mesh axis, gathered in one dtype."""
+
+    group: str
+    """The group ("blocks.3"; "" for the root)."""
+    axis: int
+    names: tuple[str, ...]
+    nbytes: int
+    """Global bytes gathered: each parameter with its rows padded to a multiple of the axis's ranks."""
+    grad_nbytes: dict
+    """Per parameter, its padded global bytes in the dtype its gradient is reduced in."""
 
 
 class Executing:
@@ -87,12 +107,21 @@ class Executing:
             seeds[node] = parse_placements(wanted) if wanted else self._arrival(node)
         sharding = propagate(program, self.mesh, seeds, modules.pins(program, boundaries))
         regathered = self._regathered(plan, params, computed)
+        flats = self._flat_gathers(program.params, params, computed)
+        in_flat = {name for flat in flats for name in flat.names}
         again = {name for names in regathered.values() for name in names
                  if read_by_backward(program, program.param_nodes[name])}
         for name, node in program.param_nodes.items():  # the gathers of the forward, once per step
+            if name in in_flat:
+                continue
             self._note_move(sharding, node, params[name], computed[name], False, self.param_dtype)
             if name in again:  # and again for the group's backward, where backward reads them
                 self._note_move(sharding, node, params[name], computed[name], True, self.param_dtype)
+        for flat in flats:  # one all_gather per flat group, and one more for its backward where it is freed
+            first = flat.names[0]
+            for backward in (False, True) if flat.group in regathered and again & set(flat.names) else (False,):
+                self._note_move(sharding, program.param_nodes[first], params[first], computed[first], backward,
+                                nbytes=flat.nbytes)
         for node in program.input_nodes.values():
             self._note_move(sharding, node, self._arrival(node), seeds[node], False)
         for output in program.output_nodes.values():
@@ -107,9 +136,11 @@ class Executing:
             spec = sharding.specs.get(update)
             if spec is not None and hasattr(spec, "placements") and name in program.buffer_nodes:
                 self._note_move(sharding, update, spec.placements, replicate, False)
-        result = self._plan(plan.strategy, sharding, params, bucket_cap_bytes=0, as_searched=False)
+        real = self._real_params
+        result = self._plan(plan.strategy, sharding, params, bucket_cap_bytes=0, as_searched=False,
+                            flat_grads=self._flat_gathers(real(program.params), real(params), real(computed)))
         result.reshard_after_forward = plan.reshard_after_forward
-        self._storage_memory(result, params, computed, regathered)
+        self._storage_memory(result, params, computed, regathered, flats)
         self._dispatch_overhead(result)
         result.collectives.append(self._batch_check())
         result.module_layouts = dict(boundaries)
@@ -165,6 +196,32 @@ class Executing:
         plan.notes.append(f"eager mode: DTensor dispatch of {ops} ops adds {seconds * 1e3:.2f} ms per step "
                           "(graph mode compiles it away)")
 
+    def _flat_gathers(self, infos: dict, storage: dict, computed: dict) -> list[FlatGather]:
+        """Eager mode's flat all-gathers (``runtime.flat``): per group of ``capture.layers.reshard_groups`` and
+        the root (the parameters in none), per mesh axis and gathered dtype, the parameters that
+        ``boundary.flat_gather_axis`` admits. ``infos``, ``storage``, ``computed``: name → ``TensorInfo``,
+        stored and compute placements (captured names, or real names of a folded capture)."""
+        if self.mode != "eager":
+            return []
+        groups = reshard_groups(storage)
+        grouped = {name for names in groups.values() for name in names}
+        groups[""] = [name for name in storage if name not in grouped]
+        flats = []
+        for group, names in groups.items():
+            members: dict[tuple, list[str]] = {}
+            for name in names:
+                axis, dtype = flat_gather_axis(tuple(storage[name]), tuple(computed[name])), _dtype(infos[name])
+                if axis is not None and dtype.is_floating_point:
+                    members.setdefault((axis, self.param_dtype or dtype), []).append(name)
+            for (axis, dtype), kept in members.items():
+                ranks = self.mesh.size(axis)
+                padded = {name: ranks * padded_shard_numel(infos[name].shape, ranks) for name in kept}
+                reduced = (self.reduce_dtype or dtype).itemsize
+                flats.append(FlatGather(group=group, axis=axis, names=tuple(kept),
+                                        nbytes=sum(padded.values()) * dtype.itemsize,
+                                        grad_nbytes={name: numel * reduced for name, numel in padded.items()}))
+        return flats
+
     def _regathered(self, plan: Plan, storage: dict, computed: dict) -> dict[str, list[str]]:
         """Group → its gathered parameters, for the groups eager mode frees after forward and gathers again for
         backward (``runtime.fsdp``; groups of ``capture.layers.reshard_groups``); empty when the plan keeps them."""
@@ -174,11 +231,13 @@ class Executing:
                   for group, names in reshard_groups(storage).items()}
         return {group: names for group, names in groups.items() if names}
 
-    def _storage_memory(self, plan: Plan, storage: dict, computed: dict, regathered: dict) -> None:
+    def _storage_memory(self, plan: Plan, storage: dict, computed: dict, regathered: dict, flats: list) -> None:
         """Parameters, gradients and optimizer state are held in the storage layout. Gathered parameters: kept
         all (by autograd, for backward) they die as the gradients appear, so together the two never exceed the
-        larger; of ``regathered`` groups one is whole at a time, next to the root's and the gradients done so far,
-        plus the whole gradient of one parameter before its reduce-scatter."""
+        larger; of ``regathered`` groups one is whole at a time and the next one's gather is in flight (the
+        prefetch), next to the root's and the gradients done so far. Gradients in flight: the flat buffer a group's
+        gradients are copied into as they are made, and the collective's copy of it as it is reduce-scattered
+        (one parameter's whole gradient, outside flat groups)."""
         local = lambda name, placements: self.program.params[name].nbytes // self.cost.shard_factor(placements)  # noqa: E731
         held = sum(local(n, p) for n, p in storage.items())
         gathered = [n for n in storage if computed[n] != storage[n]]
@@ -187,9 +246,12 @@ class Executing:
             return sum(self._gathered_nbytes(n, computed[n], dtype) for n in names)
 
         grouped = {name for names in regathered.values() for name in names}
-        in_flight = max((whole([n], self.reduce_dtype) for n in grouped), default=0)
+        in_flat = {name for flat in flats for name in flat.names}
+        in_flight = max([whole([n], self.reduce_dtype) for n in grouped - in_flat]
+                        + [2 * whole(flat.names, self.reduce_dtype) for flat in flats], default=0)
         if regathered:
-            kept = whole(n for n in gathered if n not in grouped) + max(map(whole, regathered.values()))
+            largest = sorted(map(whole, regathered.values()))[-2:]
+            kept = whole(n for n in gathered if n not in grouped) + sum(largest)
         else:
             kept = max(whole(gathered) - held, 0)
         buffers = plan.memory_breakdown.get("parameters", 0) - sum(local(n, computed[n]) for n in storage)
@@ -204,12 +266,19 @@ class Executing:
         return est.in_dtype(self.program.params[name], dtype) // self.cost.shard_factor(placements)
 
     @staticmethod
-    def _note_move(sharding, node, source, target, backward: bool, dtype: torch.dtype | None = None) -> None:
+    def _note_move(sharding, node, source, target, backward: bool, dtype: torch.dtype | None = None,
+                   nbytes: int | None = None) -> None:
+        """A move of ``node``'s value (``nbytes``: of that many global bytes instead, a flat group's)."""
         if tuple(source) != tuple(target):
             value = node.meta["val"]
             sharding.redistributions.append(Redistribution(
                 node=node.name, arg_index=-1, source=tuple(source), target=tuple(target),
-                global_nbytes=value.numel() * (dtype or value.dtype).itemsize, backward=backward))
+                global_nbytes=nbytes if nbytes is not None else value.numel() * (dtype or value.dtype).itemsize,
+                backward=backward))
+
+
+def _dtype(info) -> torch.dtype:
+    return getattr(torch, info.dtype)
 
 
 def _off_plan_ops(program: CapturedProgram, planned: dict, ran: dict) -> list[str]:

@@ -28,7 +28,7 @@ from torch_autopar.capture.layers import forward_layer_nodes, node_weights
 from torch_autopar.cost import CostModel, HardwareProfile, pricing
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
-from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
+from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_buckets, group_buckets
 from torch_autopar.search.executed import Executing
 from torch_autopar.search.layer_rows import layer_rows
 from torch_autopar.search import module_layouts as modules
@@ -40,6 +40,7 @@ from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build
 from torch_autopar.search.role_seeds import role_seeds
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Sharding, format_placements, propagate, seed_placements
+from torch_autopar.strategies.boundary import flat_reduced
 from torch_autopar.strategies.enumerate import StrategySpace, enumerate_strategies
 from torch_autopar.strategies.placements import spec_for
 from torch_autopar.strategies.roles import axis_roles, leaf_filter
@@ -292,10 +293,12 @@ class Planner(Executing):
         return {real: value for name, value in captured.items() for real in self.folding.real_names(name)}
 
     def _plan(self, strategy: str, sharding, captured_placements: dict, bucket_cap_bytes: int | None = None,
-              local_compute: bool = False, as_searched: bool = True) -> Plan:
+              local_compute: bool = False, as_searched: bool = True, flat_grads: list | None = None) -> Plan:
         """The plan of ``sharding``. In graph mode a sharded placement the search chose (``as_searched``) is what
         the per-rank program runs: with the program's boundary moves, its gradient buckets (up to the planner's
-        cap; only gradients synced by one reduction share one, ``_bucket_keys``) and the batch-size check."""
+        cap; only gradients synced by one reduction share one, ``_bucket_keys``) and the batch-size check.
+        ``flat_grads``: eager mode's flat groups (``Executing._flat_gathers``, real names), whose gradients are
+        reduced as one bucket each, of their padded bytes."""
         program, fold = self.program, self.folding
         graph_program = as_searched and self.mode == "graph" and not local_compute and self.mesh.size() > 1
         if graph_program:
@@ -311,6 +314,9 @@ class Planner(Executing):
             groups = _bucket_keys(groups)
         cap = self.bucket_cap_bytes if bucket_cap_bytes is None else bucket_cap_bytes
         buckets = assign_buckets(ready, {n: infos[n].nbytes for n in ready}, cap, groups)
+        flat_nbytes = {n: nbytes for flat in flat_grads or () for n, nbytes in flat.grad_nbytes.items()}
+        if flat_grads:
+            buckets = group_buckets(ready, self._reduced_first(flat_grads, grad_layout, placements))
         estimate = est.Estimate(weights=self.weights)
         if local_compute:  # each rank runs the one-process step on its 1/world of the batch
             est.add_compute(estimate, program, Sharding(specs={}), self.cost, scale=1.0 / self.mesh.size())
@@ -320,7 +326,7 @@ class Planner(Executing):
                                 once_per_value=self.mode == "graph")
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
                           lambda name: program.grad_nodes.get(fold.captured_name(name)), infos, self.reduce_dtype,
-                          placements, self.axis_names)
+                          placements, self.axis_names, flat_nbytes)
         if graph_program:
             estimate.collectives.append(self._batch_check())
         est.add_exposed_comm(estimate)
@@ -343,6 +349,18 @@ class Planner(Executing):
             full_batch=self.full_batch, reshard_after_forward=self.reshard_after_forward,
             layer_activations={path: row for key, row in estimate.layers.items() for path in self._real_layers(*key)},
         )
+
+    @staticmethod
+    def _reduced_first(flat_grads: list, grad_layout, placements: dict) -> list[list[str]]:
+        """The flat groups whose reduce-scatter runs (some gradient is a partial sum over the axis:
+        ``boundary.flat_reduced``), each led by such a gradient (a bucket is priced by its first)."""
+        groups = []
+        for flat in flat_grads:
+            reduced = [n for n in flat.names if grad_layout(n) is not None
+                       and flat_reduced(tuple(grad_layout(n)), tuple(placements[n]), flat.axis)]
+            if reduced:
+                groups.append(reduced[:1] + [n for n in flat.names if n != reduced[0]])
+        return groups
 
     # choosing ---------------------------------------------------------------------------------------------------
     def plan(self, strategy: str, *, executable: bool = False) -> Plan:

@@ -10,10 +10,16 @@ them and the runtime that runs them.
                  plan without that gathers parameters over the axes the batch is split on (fully sharded)
   move_target    a value moved outside an op (at a program or module boundary) goes to the layout wanted,
                  except that it never becomes a partial sum it was not already
+  flat_gather_axis  a fully-sharded group (eager mode) gathers in ONE all_gather per mesh axis and dtype every
+                 parameter whose move to its compute layout is Shard(0) -> Replicate on that axis alone, each rank
+                 sending its dim-0 shard padded to ``padded_shard_numel`` (as DTensor pads uneven shards), and
+                 reduce-scatters back the same way the gradients that ``flat_reduced`` admits (partial sums)
 Must never depend on a device mesh object (plans are made offline for meshes that do not exist).
 """
 
 from __future__ import annotations
+
+import math
 
 from torch.distributed.tensor import Replicate, Shard
 
@@ -58,3 +64,28 @@ def compute_layouts(storage: dict, first_input: tuple, planned: dict) -> dict:
     return {name: planned.get(name) or tuple(Replicate() if axis in axes and p.is_shard() else p
                                              for axis, p in enumerate(layout))
             for name, layout in storage.items()}
+
+
+def flat_gather_axis(storage: tuple, computed: tuple) -> int | None:
+    """The mesh axis on which a parameter stored in ``storage`` joins its group's flat all-gather to reach
+    ``computed``: the one axis moving Shard(0) -> Replicate, every other axis unchanged and none of them
+    splitting dim 0 (so the dim-0 shard is the same slice on every rank of that axis). None: moved on its own."""
+    moved = [axis for axis, (s, c) in enumerate(zip(storage, computed)) if s != c]
+    if len(moved) != 1 or storage[moved[0]] != Shard(0) or computed[moved[0]] != Replicate():
+        return None
+    kept = [p for axis, p in enumerate(storage) if axis != moved[0]]
+    return None if any(p.is_partial() or getattr(p, "dim", None) == 0 for p in kept) else moved[0]
+
+
+def padded_shard_numel(shape, ranks: int) -> int:
+    """Elements one rank sends for a parameter of ``shape`` (its rows as gathered) in a flat all-gather over
+    ``ranks`` ranks: ceil(rows / ranks) rows, the rows it holds padded (DTensor's Shard(0) of uneven sizes)."""
+    return -(-shape[0] // ranks) * math.prod(shape[1:])
+
+
+def flat_reduced(grad: tuple, storage: tuple, axis: int) -> bool:
+    """Whether a gradient in ``grad`` placements joins its flat group's reduce-scatter on ``axis`` (a parameter
+    stored in ``storage``): a sum still to reduce there, laid out on the other axes as the parameter is. Another
+    gradient (a replicated one: each rank keeps its rows) is moved on its own."""
+    return grad[axis].is_partial() and getattr(grad[axis], "reduce_op", "sum") == "sum" \
+        and all(g == s for other, (g, s) in enumerate(zip(grad, storage)) if other != axis)
