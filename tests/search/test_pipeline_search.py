@@ -70,10 +70,10 @@ def bound():
 
 
 def test_memory_binds_pipelined_plan_fits_and_is_faster(bound):
-    model, tokens = bound
-    plan = autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", memory_budget=4 * GIB, pipeline="auto")
+    model, tokens = bound  # 5 GiB: the intra-op plan fits (5.34e9 bytes with activations as autograd keeps them)
+    plan = autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", memory_budget=5 * GIB, pipeline="auto")
     assert plan.pipeline_stages > 1 and plan.strategy.startswith("pipeline"), plan.explain()
-    assert plan.peak_memory <= 4 * GIB
+    assert plan.peak_memory <= 5 * GIB
     compared = plan.search_stats["pipeline_auto"]
     assert compared["chosen"] == "pipelined" and compared["best_step_s"] == plan.estimated_step_time
     assert plan.estimated_step_time < compared["intra_op_step_s"], plan.explain()
@@ -84,7 +84,7 @@ def test_memory_binds_pipelined_plan_fits_and_is_faster(bound):
     # intra-op auto is the fastest fitting intra-op plan (it compares every named strategy); data parallelism,
     # the fastest intra-op plan that does not fit, is slower too
     dp = autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", strategy="data_parallel")
-    assert dp.peak_memory > 4 * GIB and plan.estimated_step_time < dp.estimated_step_time
+    assert dp.peak_memory > 5 * GIB and plan.estimated_step_time < dp.estimated_step_time
 
 
 def test_nothing_fits_without_a_pipeline(bound):

@@ -31,9 +31,12 @@ def is_collective_failure(error: BaseException) -> bool:
         return False
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
-    if not isinstance(error, RuntimeError):
-        return False
-    text = str(error).lower()
+    return isinstance(error, RuntimeError) and is_collective_failure_message(str(error))
+
+
+def is_collective_failure_message(message: str) -> bool:
+    """True for the message of an error a collective raises when a peer died, stalled or timed out."""
+    text = message.lower()
     return any(marker in text for marker in _MARKERS)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from torch_autopar.errors import AutoparError
+from torch_autopar.launch.faults import is_collective_failure_message
 from torch_autopar.launch.init import DEFAULT_TIMEOUT_S, init
 
 LOOPBACK = "127.0.0.1"
@@ -283,6 +284,8 @@ def _raise_first_failure(results: list, nprocs: int) -> None:
 
 
 def _is_follow_on(result: dict) -> bool:
-    """A rank that failed only because another one did (its collective lost the peer)."""
+    """A rank that failed only because another one did (its collective lost the peer: gloo says the connection
+    was closed or reset, depending on which side saw the dead peer first)."""
     return result["type"] in ("RankFailureError", "RankDied") or "collective failed" in result["message"] or \
-        "Connection closed by peer" in result["message"]
+        ((result["type"] == "RuntimeError" or result["type"].startswith("Dist"))
+         and is_collective_failure_message(result["message"]))
