@@ -1,16 +1,17 @@
 """Fully-sharded memory as FSDP2 has it (``runtime.fsdp``): on 2 and 4 gloo ranks, the fully_shard plan's
 placements with every parameter gathered for compute (as FSDP2 computes) in eager mode gather each block's
-parameters around its forward and backward only, so the peak memory of a
-training step per rank is at most 1.1x FSDP2's (``torch.distributed.fsdp.fully_shard`` on every block and the
-root) and at most 0.6x (2 ranks; 0.4x on 4) autopar's data parallelism's, for an 8-block MLP and the project's
-GPT; the planner predicts that peak within 15%; and 3 AdamW steps equal one process (losses 1e-5 relative,
-parameters rtol 1e-4 / atol 1e-5). Peaks are the allocator's record (``testing.memory``), steps 2 and 3 (the
-optimizer state exists). ``reshard_after_forward=False`` runs as before (every parameter gathered once per step
-and kept until backward): equal to one process too, with a higher peak. A second backward through a retained
-graph gathers the freed parameters again (gradients exactly doubled). Each group moves as flat buffers
-(``runtime.flat``): a GPT step runs one all_gather and one reduce_scatter per group and for the root, one more
-all_gather per group for its backward when it reshards, and exactly the plan's list. Without ranks: which
-parameters form a group and which join its flat all-gather, and the option saved and loaded with the plan.
+parameters around its forward and backward only, so the peak memory of a training step per rank is at most 1.1x
+FSDP2's (``torch.distributed.fsdp.fully_shard`` on every block and the root) and at most 0.6x (2 ranks; 0.4x on 4)
+autopar's data parallelism's, for an 8-block MLP and the project's GPT; the planner predicts that peak within 15%;
+and 4 AdamW steps equal one process (losses 1e-5 relative, parameters rtol 1e-4 / atol 1e-5). Peaks are the
+allocator's record (``testing.memory``), the least of steps 2-4 (the optimizer state exists; a buffer gloo frees on
+its own thread is seen freed only when its address is reused, which now and then adds a block's bytes to one step,
+ours and FSDP2's alike). ``reshard_after_forward=False`` runs as before (every parameter gathered once per step and
+kept until backward): equal to one process too, with a higher peak. A second backward through a retained graph
+gathers the freed parameters again (gradients exactly doubled). Each group moves as flat buffers (``runtime.flat``):
+a GPT step runs one all_gather and one reduce_scatter per group and for the root, one more all_gather per group for
+its backward when it reshards, and exactly the plan's list. Without ranks: which parameters form a group and which
+join its flat all-gather, and the option saved and loaded with the plan.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.memory import step_peak_bytes
 from torch_autopar.testing.models import GPT, BlockMLP, GPTConfig, gpt2_init, gpt_loss
 
-STEPS = 3
+STEPS = 4
 MODELS = ("blocks", "gpt")
 RUNS = ("fully_shard", "keep_gathered", "fsdp2", "data_parallel")
 GPT_CONFIG = GPTConfig(vocab_size=96, block_size=8, n_layer=8, n_head=2, n_embd=192)
@@ -116,8 +117,8 @@ def _run(rank: int, world: int, name: str, run: str) -> dict:
     losses, peaks = _train(module, name, rank, world)
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for n, p in model.named_parameters()}
-    # the steady step's peak, each variant alike: step 0 also allocates the optimizer state, and gloo frees some
-    # buffers on its own threads, which now and then adds one block's bytes to a step the tracker sees
+    # the steady step's peak, each variant alike: step 0 also allocates the optimizer state; the least of three
+    # steps, as the profiler's missed frees only ever add bytes
     return {"losses": losses, "peak": min(peaks[1:]), "predicted": predicted, "params": params}
 
 
@@ -161,7 +162,7 @@ def test_planner_predicts_the_measured_peak(measured, name):
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("run", ("fully_shard", "keep_gathered"))
-def test_three_adamw_steps_equal_one_process(measured, name, run):
+def test_adamw_steps_equal_one_process(measured, name, run):
     world, ranks = measured
     ref_losses, ref_params = _one_process(name)
     mean = [sum(results[(name, run)]["losses"][s] for results in ranks) / world for s in range(STEPS)]

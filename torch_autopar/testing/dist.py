@@ -17,6 +17,7 @@ import socket
 import tempfile
 import time
 import traceback
+from multiprocessing import connection as mp_connection
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -79,33 +80,31 @@ def _run_once(fn, world_size: int, args: tuple, timeout_s: float, env: dict, ini
         context = mp.start_processes(_worker, args=(world_size, _free_port(), timeout_s, fn, args, out_dir, env, init),
                                      nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s + 60
-        if allow_death:
-            try:
-                _wait_each(context.processes, deadline, out_dir, world_size)
-            finally:
-                _kill_alive(context.processes)
-            return _collect(out_dir, world_size, missing_ok=True)
         try:
-            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise RankFailure(f"ranks still running after {timeout_s + 60:.0f} s: killed. "
-                                      + _collect_errors(out_dir, world_size))
-        except RankFailure:
-            raise
-        except mp.ProcessExitedException as error:
-            raise RankFailure(f"a rank died: {error}\n{_collect_errors(out_dir, world_size)}") from error
-        except Exception as error:
-            raise RankFailure(_collect_errors(out_dir, world_size) or str(error)) from error
+            _wait_for_ranks(context.processes, deadline, out_dir, world_size, allow_death)
         finally:
             _kill_alive(context.processes)
-        return _collect(out_dir, world_size)
+        return _collect(out_dir, world_size, missing_ok=allow_death)
 
 
-def _wait_each(processes, deadline: float, out_dir: str, world_size: int) -> None:
-    for process in processes:
-        process.join(max(0.1, deadline - time.monotonic()))
-        if process.is_alive():
-            raise RankFailure(f"ranks still running at the deadline: killed. {_collect_errors(out_dir, world_size)}")
+def _wait_for_ranks(processes, deadline: float, out_dir: str, world_size: int, allow_death: bool) -> None:
+    """Wait until every rank has exited. A rank's exit is read from its exit code (``waitpid``), never only from
+    its sentinel pipe, which a process the rank forked (a DataLoader worker) may still hold open after the rank
+    ended. A rank that exits with an error without writing a result fails the call at once (its peers would
+    wait for it until their collective timeout), unless ``allow_death``."""
+    while True:
+        codes = [process.exitcode for process in processes]
+        if all(code is not None for code in codes):
+            return
+        dead = [rank for rank, code in enumerate(codes)
+                if code not in (None, 0) and not os.path.exists(os.path.join(out_dir, f"{rank}.pkl"))]
+        if dead and not allow_death:
+            raise RankFailure(f"rank {dead[0]} died with exit code {codes[dead[0]]} and no result\n"
+                              + _collect_errors(out_dir, world_size))
+        if time.monotonic() > deadline:
+            raise RankFailure(f"ranks {[r for r, c in enumerate(codes) if c is None]} still running at the "
+                              f"deadline: killed. {_collect_errors(out_dir, world_size)}")
+        mp_connection.wait([process.sentinel for process in processes if process.exitcode is None], timeout=0.5)
 
 
 def _kill_alive(processes) -> None:

@@ -1,0 +1,42 @@
+"""``testing.run_on_ranks`` returns as soon as every rank has exited, even while a process a rank forked (as a
+DataLoader worker is forked) still holds the rank's end of the pipe the parent waits on; and a rank that dies
+without a result fails the call at once, naming it, rather than after its peers' collective timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+
+from torch_autopar.testing import run_on_ranks
+from torch_autopar.testing.dist import RankFailure
+
+
+def _fork_a_sleeper(rank: int, world: int) -> int:
+    child = os.fork()
+    if child == 0:  # the forked process inherits every descriptor of the rank, then outlives it
+        time.sleep(60)
+        os._exit(0)
+    return rank
+
+
+def test_returns_when_ranks_exit_though_a_forked_child_still_runs():
+    started = time.monotonic()
+    assert run_on_ranks(_fork_a_sleeper, 2, timeout_s=120) == [0, 1]
+    assert time.monotonic() - started < 45
+
+
+def _rank_one_dies(rank: int, world: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0 would wait here until the 120 s collective timeout
+
+
+def test_a_rank_that_dies_without_a_result_fails_the_call_at_once():
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 died with exit code -9"):
+        run_on_ranks(_rank_one_dies, 2, timeout_s=120)
+    assert time.monotonic() - started < 60
