@@ -108,6 +108,21 @@ def train_steps(module: nn.Module, model_name: str, optimizer, rank: int = 0, wo
     return losses
 
 
+def train_language_model(module: nn.Module, batches, rank: int = 0, world: int = 1, steps: int = 3) -> list[float]:
+    """``steps`` AdamW steps of ``gpt_loss`` with each batch of tokens as its own targets, on this rank's slice of
+    ``batches(step)``: the losses."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, eps=1e-6)
+    losses = []
+    for step in range(steps):
+        x = batches(step).chunk(world)[rank]
+        optimizer.zero_grad(set_to_none=True)
+        loss = gpt_loss(module(x), x)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _graph_forward_collectives(pmodel) -> Counter:
     names = {_compat.group_name(pmodel.mesh.get_group(i)): n for i, n in enumerate(pmodel.mesh.mesh_dim_names)}
     forward = pmodel.stats["graph_collectives"]["forward"]

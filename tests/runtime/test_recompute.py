@@ -1,6 +1,7 @@
 """Activation checkpointing (``compile(..., activation_checkpointing="full" | "selective")``): the same numbers
 as without, less activation memory (measured with PyTorch's MemTracker), in one process and on 2 gloo ranks under
-data_parallel, fully_shard and tensor_parallel, eager and graph mode (3 AdamW steps against one process)."""
+data_parallel, fully_shard and tensor_parallel, eager and graph mode (3 AdamW steps against one process); under
+bf16 mixed precision, recomputation runs on the forward's bf16 parameter copies (exactly the same gradients)."""
 
 from __future__ import annotations
 
@@ -66,25 +67,12 @@ CASES = [("data_parallel", "graph", "full"), ("fully_shard", "eager", "full"), (
          ("tensor_parallel", "eager", "selective")]
 
 
-def _train(module, rank=0, world=1):
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, eps=1e-6)
-    losses = []
-    for step in range(3):
-        x = _tokens(step).chunk(world)[rank]
-        optimizer.zero_grad(set_to_none=True)
-        loss = gpt_loss(module(x), x)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _run(rank, world, strategy, mode, policy):
     torch._dynamo.reset()
     model = _gpt()
     pmodel = autopar.compile(model, _tokens().chunk(world)[rank], strategy=strategy, mode=mode,
                              activation_checkpointing=policy)
-    losses = _train(pmodel, rank, world)
+    losses = support.train_language_model(pmodel, _tokens, rank, world)
     state = pmodel.state_dict()
     return {"losses": losses, "params": {n: state[n].clone() for n, _ in model.named_parameters()}}
 
@@ -101,7 +89,7 @@ def job():
 @functools.cache
 def _reference():
     model = _gpt()
-    return _train(model), support.params_of(model)
+    return support.train_language_model(model, _tokens), support.params_of(model)
 
 
 @pytest.mark.parametrize("case", CASES, ids="-".join)
@@ -125,3 +113,21 @@ def test_apply_plan_wraps_exactly_the_plan_layers_and_refuses_unknown_ones():
     gpt_loss(model(tokens), tokens).backward()  # runs, recomputing block 1 selectively
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: the plan recomputes layer 'blocks.7'"):
         apply_plan(model, {"blocks.7": "full"})
+
+
+@pytest.mark.parametrize("policy", ("full", "selective"))
+def test_under_mixed_precision_recomputation_sees_the_low_precision_parameters(policy):
+    """The recompute in backward runs after the call restored the fp32 masters: it must run on the bf16 copies
+    the forward used (else a dtype mismatch), and give exactly the gradients of keeping every activation."""
+    tokens = _tokens(batch=4)
+    results = {}
+    for checkpointing in (None, policy):
+        model = _gpt()
+        loss = gpt_loss(autopar.compile(model, tokens, mixed_precision="bf16", activation_checkpointing=checkpointing,
+                                        mode="eager")(tokens), tokens)
+        loss.backward()
+        results[checkpointing] = loss.item(), support.params_of(model), {n: p.grad for n, p in model.named_parameters()}
+    assert results[policy][0] == results[None][0]
+    for name, grad in results[None][2].items():
+        assert results[policy][1][name].dtype == torch.float32
+        torch.testing.assert_close(results[policy][2][name], grad, rtol=0, atol=0, msg=name)

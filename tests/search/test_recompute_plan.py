@@ -17,7 +17,7 @@ import torch_autopar as autopar
 from torch_autopar.cost import pricing
 from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.memory import kept_bytes
-from torch_autopar.testing.models import GPT, GPTConfig, gpt_loss
+from torch_autopar.testing.models import GPT, GPTConfig
 from tests import support
 
 CONFIG = GPTConfig(n_layer=4, n_embd=64, block_size=32)
@@ -102,23 +102,10 @@ def test_a_plan_and_a_policy_together_are_refused():
         autopar.compile(_gpt(), _tokens(), strategy=_plan(None), activation_checkpointing="auto")
 
 
-def _train(module, rank=0, world=1):
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, eps=1e-6)
-    losses = []
-    for step in range(3):
-        x = _tokens(step).chunk(world)[rank]
-        optimizer.zero_grad(set_to_none=True)
-        loss = gpt_loss(module(x), x)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 @functools.cache
 def _reference():
     model = _gpt()
-    return _train(model), support.params_of(model)
+    return support.train_language_model(model, _tokens), support.params_of(model)
 
 
 def _wrapped(model) -> dict:
@@ -132,7 +119,7 @@ def test_compiled_auto_recomputes_the_planned_layers_with_the_same_numbers():
     pmodel = autopar.compile(model, _tokens(), memory_budget=budget, activation_checkpointing="auto")
     assert pmodel.plan.activation_checkpointing == {"blocks.0": "full", "blocks.1": "full"}
     assert _wrapped(model) == {"blocks.0": "full", "blocks.1": "full", "blocks.2": None, "blocks.3": None}
-    losses = _train(pmodel)
+    losses = support.train_language_model(pmodel, _tokens)
     ref_losses, ref_params = _reference()
     support.assert_losses_close(losses, ref_losses, what="auto, one process")
     support.assert_params_close(support.params_of(model), ref_params, what="auto, one process")
@@ -154,7 +141,7 @@ def _run(rank, world, strategy, mode):
         outputs = []
         kept = kept_bytes(lambda: outputs.append(pmodel(x)))
         del outputs
-    losses = _train(pmodel, rank, world)
+    losses = support.train_language_model(pmodel, _tokens, rank, world)
     state = pmodel.state_dict()
     return {"losses": losses, "params": {n: state[n].clone() for n, _ in model.named_parameters()},
             "chosen": plan.activation_checkpointing, "wrapped": _wrapped(model), "fits": plan.peak_memory <= budget,

@@ -149,14 +149,21 @@ def shard_chunk(size: int, ranks: int) -> int:
     return -(-size // ranks)
 
 
-def bucket_slot_numel(local_shape, reduction: GradReduction, axis_size: int) -> int:
-    """Elements one gradient (this rank's tensor of ``local_shape`` before the sync) takes in its bucket's flat
-    buffer: all of them for an all_reduce; for a reduce_scatter, ``axis_size`` equal chunks of its dim (the last
-    ones padded), one per rank."""
+def bucket_slot_shape(local_shape, reduction: GradReduction, axis_size: int) -> list[int]:
+    """The shape of one rank's piece of a gradient (this rank's tensor of ``local_shape`` before the sync) in its
+    bucket's flat buffer: all of it for an all_reduce; for a reduce_scatter, one of ``axis_size`` equal chunks of
+    its dim (the last ones padded)."""
     shape = list(local_shape)
     if reduction.kind == "reduce_scatter":
-        shape[reduction.dim] = shard_chunk(shape[reduction.dim], axis_size) * axis_size
-    return math.prod(shape)
+        shape[reduction.dim] = shard_chunk(shape[reduction.dim], axis_size)
+    return shape
+
+
+def bucket_slot_numel(local_shape, reduction: GradReduction, axis_size: int) -> int:
+    """Elements one gradient takes in its bucket's flat buffer before the sync: for a reduce_scatter, every
+    rank's piece (``bucket_slot_shape``)."""
+    pieces = axis_size if reduction.kind == "reduce_scatter" else 1
+    return math.prod(bucket_slot_shape(local_shape, reduction, axis_size)) * pieces
 
 
 def grad_bucket_collective(members, itemsize: int, cost: CostModel) -> CollectiveCost:

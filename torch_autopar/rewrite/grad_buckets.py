@@ -3,12 +3,12 @@ buffer and reduced by one functional collective, issued as soon as its last grad
 where a gradient of it is first used (the program's output), and unflattened there.
 
 A bucket (``Plan.grad_buckets``) holds gradients of one dtype reduced the same way (``cost.pricing.bucket_key``:
-collective kind and mesh axis; under mixed precision in the policy's ``reduce_dtype``, then cast back): an all_reduce of their concatenation, or a reduce_scatter of a buffer laid out
-rank by rank, each gradient's chunk of its reduced dim (padded to equal chunks of ``cost.pricing.shard_chunk``
-rows, as the plan prices them) in bucket order inside each rank's segment, so that the segment a rank receives
-holds its chunk of every gradient. A gradient whose layout is not its bucket's is moved on its own (the caller's
-``redistribute``). Must never choose a bucket (the plan does) and never run a collective outside the traced
-program.
+collective kind and mesh axis; under mixed precision in the policy's ``reduce_dtype``, then cast back): an
+all_reduce of their concatenation, or a reduce_scatter of a buffer laid out rank by rank, each gradient's chunk of
+its reduced dim (padded to equal chunks of ``cost.pricing.shard_chunk`` rows, as the plan prices them) in bucket
+order inside each rank's segment, so that the segment a rank receives holds its chunk of every gradient. A gradient
+whose layout is not its bucket's is moved on its own (the caller's ``redistribute``). Must never choose a bucket
+(the plan does) and never run a collective outside the traced program.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class GradBuckets:
         ranks = self.mesh.size(bucket.key[2])
         members = self._members(bucket)
         waited = _compat.functional_wait_tensor()(bucket.reduced).to(members[0].value.dtype)
-        shapes = [_slot_shape(grad.value.to_local().shape, grad.reduction, ranks) for grad in members]
+        shapes = [pricing.bucket_slot_shape(grad.value.to_local().shape, grad.reduction, ranks) for grad in members]
         results = {}
         for grad, piece, shape in zip(members, torch.split(waited, [math.prod(s) for s in shapes]), shapes):
             local = piece.view(shape)
@@ -138,14 +138,6 @@ class GradBuckets:
         full = pricing.shard_chunk(size, ranks)
         rows = max(0, min(size, (rank + 1) * full) - rank * full)
         return chunk if rows == full else chunk.narrow(reduction.dim, 0, rows).contiguous()
-
-
-def _slot_shape(local_shape, reduction, ranks: int) -> list[int]:
-    """The shape of one rank's piece of a gradient in the reduced buffer."""
-    shape = list(local_shape)
-    if reduction.kind == "reduce_scatter":
-        shape[reduction.dim] = pricing.shard_chunk(shape[reduction.dim], ranks)
-    return shape
 
 
 def _rank_rows(local: torch.Tensor, reduction, ranks: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from torch_autopar import _compat
 from torch_autopar.cost.pricing import SAVED_BY_SELECTIVE
 from torch_autopar.errors import AutoparError
 from torch_autopar.search.recompute import POLICIES
@@ -52,7 +53,7 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed(forward, policy: str):
+def _checkpointed(forward, policy: str, layer: nn.Module):
     options = {"use_reentrant": False}
     if policy == "selective":
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
@@ -61,10 +62,28 @@ def _checkpointed(forward, policy: str):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # nothing is kept for backward anyway
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, **options, **kwargs)
+        return checkpoint(_in_this_call_state(forward, layer), *args, **options, **kwargs)
 
     run._autopar_checkpointed = policy
     return run
+
+
+def _in_this_call_state(forward, layer: nn.Module):
+    """``forward`` recomputed in backward with the parameters and buffers ``layer`` has in this call: under a
+    ``functional_call`` (mixed precision's low-precision copies, a sharded plan's compute tensors) the layer holds
+    other tensors than when backward runs, after the call has restored the masters."""
+    state = dict(layer.named_parameters(remove_duplicate=False))
+    state.update(layer.named_buffers(remove_duplicate=False))
+
+    def recomputable(*args, **kwargs):
+        now = dict(layer.named_parameters(remove_duplicate=False))
+        now.update(layer.named_buffers(remove_duplicate=False))
+        if all(now.get(name) is tensor for name, tensor in state.items()):
+            return forward(*args, **kwargs)
+        with _compat.reparametrized(layer, state):
+            return forward(*args, **kwargs)
+
+    return recomputable
 
 
 def apply_activation_checkpointing(module: nn.Module, policy) -> list[nn.Module]:
@@ -91,7 +110,7 @@ def apply_plan(module: nn.Module, layers: dict[str, str]) -> list[nn.Module]:
     for path, policy in layers.items():
         layer = _layer(module, path)
         if getattr(layer.forward, "_autopar_checkpointed", None) is None:
-            layer.forward = _checkpointed(layer.forward, policy)
+            layer.forward = _checkpointed(layer.forward, policy, layer)
         wrapped.append(layer)
     if wrapped:
         _without_kv_cache(module)
@@ -146,4 +165,4 @@ def wrap_inside_checkpoint(layer: nn.Module, wrap) -> None:
     (the recompute in backward then runs the wrapper too); a checkpoint applied later wraps it from outside."""
     current = layer.forward
     policy = getattr(current, "_autopar_checkpointed", None)
-    layer.forward = wrap(current) if policy is None else _checkpointed(wrap(current.__wrapped__), policy)
+    layer.forward = wrap(current) if policy is None else _checkpointed(wrap(current.__wrapped__), policy, layer)
