@@ -121,8 +121,9 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
             args = _as_tuple(example_inputs)
             return _searched_pipeline(model, args, options, intra, world=world, batch=batch_size(args, {}) or 0,
                                       hardware=job_profile(hardware), memory_budget=memory_budget,
-                                      layouts=_stage_layouts(strategy, runnable=False))[0]
-        return _offline_pipeline_plan(model, _as_tuple(example_inputs), options, world, hardware)
+                                      layouts=_stage_layouts(strategy))[0]
+        return _offline_pipeline_plan(model, _as_tuple(example_inputs), options, world, hardware,
+                                      _pipeline_layout(strategy))
     if isinstance(strategy, Plan):
         _check_plan_recompute(activation_checkpointing)
         strategy.check_compatible(module_fingerprint(model), math.prod(launch.mesh.parse_mesh_shape(mesh_shape)))
@@ -155,14 +156,14 @@ def _check_plan_recompute(activation_checkpointing) -> None:
                            "argument, or plan again with it (autopar.plan(..., activation_checkpointing=...)).")
 
 
-def _offline_pipeline_plan(model, args, options, world, hardware) -> Plan:
+def _offline_pipeline_plan(model, args, options, world, hardware, layout: str) -> Plan:
     dp = world // options.ranks
     batch = batch_size(args, {})
     if batch is None or batch % dp:
         raise AutoparError(f"the global batch (dim 0: {batch}) must divide by the {dp} data-parallel replicas of "
                            f"a {options.ranks}-stage pipeline on {world} ranks; change the batch or pipeline=.")
     return pipelining.pipeline_plan(model, args, options, world_size=world, hardware=job_profile(hardware),
-                                    batch_per_rank=batch // dp, dp_share=dp).plan
+                                    batch_per_rank=batch // dp, dp_share=dp, layout=layout).plan
 
 
 def _check_pipeline_precision(policy) -> None:
@@ -185,30 +186,34 @@ def _searched_pipeline(model, args, options, intra_plan, *, world, batch, hardwa
     return pipelining.choose(intra, error, found, budget)
 
 
-def _stage_layouts(strategy, *, runnable: bool) -> tuple[str, ...]:
-    """Stage layouts pipeline="auto" considers: what the runtime runs when compiling, all when planning."""
-    if runnable or strategy == "data_parallel":
-        return pipelining.RUNNABLE_LAYOUTS
-    return pipelining.STAGE_LAYOUTS
+def _stage_layouts(strategy) -> tuple[str, ...]:
+    """Stage layouts pipeline="auto" considers: the one strategy= names, else every one the runtime runs."""
+    return (strategy,) if strategy in pipelining.STAGE_LAYOUTS else pipelining.STAGE_LAYOUTS
+
+
+def _pipeline_layout(strategy) -> str:
+    """The stage layout pipeline=N plans: a pipelined Plan's, strategy='fully_shard' shards stages, 'auto' keeps
+    them whole."""
+    if isinstance(strategy, Plan):
+        return pipelining.stage_layout(strategy)
+    return strategy if strategy in pipelining.STAGE_LAYOUTS else "data_parallel"
 
 
 def _check_pipeline_strategy(strategy, mesh, full_batch, options) -> None:
     given = isinstance(strategy, Plan) and strategy.pipeline_stages > 1 and not options.searched
-    if not (strategy in ("auto", "data_parallel") or given):
+    if not (strategy == "auto" or strategy in pipelining.STAGE_LAYOUTS or given):
         raise AutoparError(f"strategy={strategy!r} with pipeline={'auto' if options.searched else options.ranks}: "
-                           "stages run whole (data-parallel over the ranks that hold them) in this version; "
-                           "expected strategy='auto' or 'data_parallel' (or a pipelined Plan without "
-                           "pipeline='auto').")
-    if given and strategy.strategy not in ("pipeline", "pipeline+data_parallel"):
-        raise AutoparError(f"this plan's stages are {strategy.strategy.removeprefix('pipeline+')} over their ranks "
-                           f"({strategy.strategy}); the runtime runs whole (data-parallel) stages only. Plan with "
-                           "compile(..., pipeline='auto') or pipeline=N, which choose stages that run.")
+                           "stages run whole or fully sharded over the ranks that hold them in this version; "
+                           "expected strategy='auto', 'data_parallel' or 'fully_shard' (or a pipelined Plan "
+                           "without pipeline='auto').")
+    if given:
+        pipelining.stage_layout(strategy)
     if mesh is not None or full_batch:
         raise AutoparError(f"pipeline= lays the ranks out as (data-parallel, pipeline) itself; found mesh={mesh!r}, "
                            f"full_batch={full_batch}. Drop mesh= and full_batch= for a pipelined model.")
 
 
-def _pipeline_planner(options, hardware, given: Plan | None):
+def _pipeline_planner(options, hardware, given: Plan | None, layout: str):
     """Plans a pipelined module from one call's inputs (this rank's slice) for this job's ranks."""
     def planner(module, args):
         world = launch.get_world_size() if launch.is_initialized() else 1
@@ -216,15 +221,15 @@ def _pipeline_planner(options, hardware, given: Plan | None):
             given.check_compatible(module_fingerprint(module), world)
         return pipelining.pipeline_plan(module, args, options, world_size=world,
                                         hardware=job_profile(hardware),
-                                        batch_per_rank=batch_size(args, {}) or 0, given=given)
+                                        batch_per_rank=batch_size(args, {}) or 0, given=given, layout=layout)
 
     return planner
 
 
 def _compile_pipeline(model, example_inputs, options, strategy, hardware, mode, loss_fn) -> PipelineModule:
     given = strategy if isinstance(strategy, Plan) else None
-    parallel = PipelineModule(model, planner=_pipeline_planner(options, hardware, given), loss_fn=loss_fn, mode=mode,
-                              pipeline_size=options.ranks)
+    planner = _pipeline_planner(options, hardware, given, _pipeline_layout(strategy))
+    parallel = PipelineModule(model, planner=planner, loss_fn=loss_fn, mode=mode, pipeline_size=options.ranks)
     if example_inputs is not None:
         parallel.prepare(_as_tuple(example_inputs))
     return parallel
@@ -244,7 +249,7 @@ def _compile_searched(model, example_inputs, options, strategy, hardware, memory
     plan, layout = _searched_pipeline(model, args, options, lambda: planner(model, args, {}), world=world,
                                       batch=batch, global_batch=batch * world,
                                       hardware=job_profile(hardware), memory_budget=memory_budget,
-                                      layouts=_stage_layouts(strategy, runnable=True))
+                                      layouts=_stage_layouts(strategy))
     if layout is None:
         parallel = ParallelModule(model, plan, mode=mode)
         parallel.prepare(args, {})

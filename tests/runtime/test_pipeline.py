@@ -1,8 +1,11 @@
 """Pipelined models (pipeline=2) on 2 gloo ranks (pp=2) and 4 ranks (dp=2 x pp=2) equal a one-process run:
 losses (1e-5 relative) and full parameters (rtol 1e-4, atol 1e-5) after 3 AdamW steps with ``pmodel.step``,
 for the GPT (embedding tied to the output head across the two stages) and an MLP of identical blocks, GPipe and
-1F1B, eager and graph mode, and the MLP under pipeline="auto"; ``autopar.Model.train`` drives ``step``;
-``state_dict`` gathers the whole model; bad inputs fail with torch_autopar errors before any collective.
+1F1B, eager and graph mode, and the MLP under pipeline="auto"; on 4 ranks also with fully-sharded stages
+(strategy="fully_shard": FSDP2 over each stage's 2 data-parallel ranks, each rank holding half of its stage's
+parameters), one of them accumulating two half-batches per step and reloaded from its full state_dict;
+``autopar.Model.train`` drives ``step``; ``state_dict`` gathers the whole model; bad inputs fail with
+torch_autopar errors before any collective.
 
 One spawned job per (world, layout) runs every case.
 """
@@ -14,6 +17,7 @@ import functools
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import torch_autopar as autopar
 from torch_autopar.cost import Link, get_profile
@@ -27,19 +31,38 @@ CASES = {
     2: [(model, schedule, mode) for model in ("gpt", "blocks") for schedule in ("gpipe", "1f1b")
         for mode in ("eager", "graph")] + [("blocks", "interleaved_1f1b", "eager")],
     4: [("gpt", "gpipe", "eager"), ("gpt", "1f1b", "graph"), ("blocks", "1f1b", "eager"),
-        ("blocks", "gpipe", "graph")],
+        ("blocks", "gpipe", "graph"), ("gpt", "gpipe", "eager", "fully_shard"),
+        ("gpt", "1f1b", "graph", "fully_shard"), ("blocks", "1f1b", "eager", "fully_shard")],
 }
 
 
-def _train_case(rank, world, model_name, schedule, mode):
+def _train_case(rank, world, model_name, schedule, mode, strategy="auto"):
     torch._dynamo.reset()
     model = support.build_model(model_name)
     dp = world // 2
     x, _ = support.global_batch(model_name, 0)
     loss_fn = functools.partial(support.loss_fn, model_name)
     pmodel = autopar.compile(model, x.chunk(dp)[rank // 2], pipeline=2, schedule=schedule, loss_fn=loss_fn,
-                             mode=mode)
+                             mode=mode, strategy=strategy)
     return _train(pmodel, model, model_name, dp)
+
+
+def _sharded_accumulate_case(rank, world):
+    """Fully-sharded stages (blocks, GPipe) stepping on two half-batches per optimizer step (``loss_scale=1/2``:
+    gradients set aside and added back), then a fresh model compiled with the same plan loads the full state."""
+    model = support.build_model("blocks")
+    dp = world // 2
+    x, _ = support.global_batch("blocks", 0)
+    loss_fn = functools.partial(support.loss_fn, "blocks")
+    pmodel = autopar.compile(model, x.chunk(dp)[rank // 2], pipeline=2, schedule="gpipe", microbatches=2,
+                             loss_fn=loss_fn, strategy="fully_shard")
+    run = _train(pmodel, model, "blocks", dp, accumulate=2)
+    given = autopar.compile(support.build_model("blocks", seed=1), x.chunk(dp)[rank // 2], strategy=pmodel.plan,
+                            loss_fn=loss_fn)
+    given.load_state_dict(pmodel.state_dict())
+    reloaded = given.state_dict()
+    return run | {"reloaded": {n: reloaded[n].clone() for n, _ in model.named_parameters()},
+                  "given": given.plan.strategy}
 
 
 def _auto_case(rank, world):
@@ -69,21 +92,34 @@ def _auto_intra_case(rank, world):
             "params": {n: state[n].clone() for n, _ in model.named_parameters()}}
 
 
-def _train(pmodel, model, model_name, dp):
+def _train(pmodel, model, model_name, dp, accumulate=1):
     optimizer = support.make_optimizer("adamw", pmodel.parameters())
     slot = pmodel.data_parallel_rank
     losses = []
     for step in range(support.STEPS):
         x, y = support.global_batch(model_name, step)
         optimizer.zero_grad(set_to_none=True)
-        losses.append(pmodel.step(x.chunk(dp)[slot], y.chunk(dp)[slot]).item())
+        parts = zip(x.chunk(dp)[slot].chunk(accumulate), y.chunk(dp)[slot].chunk(accumulate))
+        losses.append(sum(pmodel.step(xs, ys, loss_scale=1 / accumulate).item() for xs, ys in parts) / accumulate)
         optimizer.step()
     state = pmodel.state_dict()
     output = pmodel(x.chunk(dp)[slot])
-    local = {n: p.detach().clone() for n, p in pmodel.named_parameters()}  # this rank's stage (tied copies too)
+    params = dict(pmodel.named_parameters())  # this rank's stage (tied copies too): shards if fully sharded
+    held = sum(_local(p).numel() for p in params.values())
+    local = {n: _whole(p) for n, p in params.items()}
     return {"losses": losses, "params": {n: state[n].clone() for n, _ in model.named_parameters()}, "local": local,
             "dp": (pmodel.data_parallel_rank, pmodel.data_parallel_size), "output": output,
-            "plan": (pmodel.plan.pipeline_stages, pmodel.plan.microbatches, pmodel.plan.schedule)}
+            "plan": (pmodel.plan.pipeline_stages, pmodel.plan.microbatches, pmodel.plan.schedule),
+            "held": (held, sum(p.numel() for p in params.values())), "strategy": pmodel.plan.strategy,
+            "planned": sorted({(c.kind, c.axis, c.where) for c in pmodel.plan.collectives if c.kind != "send"})}
+
+
+def _local(param):
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _whole(param):
+    return param.detach().full_tensor() if isinstance(param, DTensor) else param.detach().clone()
 
 
 def _trainer_case(rank, world):
@@ -117,7 +153,7 @@ def _bad_inputs(rank, world):
         "microbatches": support.outcome(autopar.compile, model, x, pipeline=2, microbatches=3,
                                         loss_fn=support.gpt_loss),
         "world": support.outcome(autopar.compile, model, x, pipeline=3, loss_fn=support.gpt_loss),
-        "sharded_stages": support.outcome(autopar.compile, model, x, pipeline=2, strategy="fully_shard"),
+        "sharded_stages": support.outcome(autopar.compile, model, x, pipeline=2, strategy="tensor_parallel"),
     }
 
 
@@ -128,6 +164,8 @@ def _job(rank, world):
         results["auto_intra"] = support.outcome(_auto_intra_case, rank, world)
         results["trainer"] = support.outcome(_trainer_case, rank, world)
         results["bad"] = support.outcome(_bad_inputs, rank, world)
+    if world == 4:
+        results["sharded_accumulate"] = support.outcome(_sharded_accumulate_case, rank, world)
     return results
 
 
@@ -171,6 +209,7 @@ def test_pipeline_matches_one_process(jobs, item):
         what = f"rank {rank} {case} on {world} ranks"
         assert run["dp"] == (rank // 2, world // 2), what
         assert run["plan"][0] == (4 if case[1] == "interleaved_1f1b" else 2) and run["plan"][2] == case[1], what
+        _check_layout(run, case[3] if len(case) > 3 else "data_parallel", what)
         support.assert_losses_close(run["losses"], ref_losses, what=what)
         support.assert_params_close(run["params"], ref_params, what=what)
         support.assert_params_close(run["local"], {n: ref_params[n] for n in run["local"]}, what=f"{what} (local)")
@@ -179,6 +218,30 @@ def test_pipeline_matches_one_process(jobs, item):
         model.load_state_dict(run["params"])
         expected = model(x.chunk(world // 2)[rank // 2])
         torch.testing.assert_close(run["output"], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def _check_layout(run, layout, what):
+    """The plan names the stage layout and its collectives; a fully-sharded rank holds half its stage."""
+    held, whole = run["held"]
+    if layout == "fully_shard":
+        assert run["strategy"] == "pipeline+fully_shard", f"{what}: {run['strategy']}"
+        assert {kind for kind, _, _ in run["planned"]} == {"all_gather", "reduce_scatter"}, f"{what}: {run['planned']}"
+        assert abs(held - whole / 2) <= 0.05 * whole, f"{what}: holds {held} of its stage's {whole} parameter elements"
+    else:
+        assert run["strategy"] in ("pipeline", "pipeline+data_parallel") and held == whole, f"{what}: {run}"
+
+
+def test_sharded_stages_accumulate_and_reload(jobs):
+    """Two half-batches per step on fully-sharded stages equal the one-process run; the full state_dict loads
+    into a fresh model compiled with the same plan (each rank keeping its shards) and gathers back equal."""
+    ref_losses, ref_params = _reference("blocks")
+    for rank, run in enumerate(_ok(_results(jobs, 4), "sharded_accumulate")):
+        what = f"rank {rank} fully-sharded stages, accumulate=2"
+        _check_layout(run, "fully_shard", what)
+        support.assert_losses_close(run["losses"], ref_losses, what=what)
+        support.assert_params_close(run["params"], ref_params, what=what)
+        assert run["given"] == "pipeline+fully_shard", f"{what}: {run['given']}"
+        support.assert_params_close(run["reloaded"], ref_params, what=f"{what} (reloaded)")
 
 
 def test_auto_pipeline_matches_one_process(jobs):
@@ -215,7 +278,7 @@ def test_model_train_uses_step(jobs):
 
 @pytest.mark.parametrize("case,words", [
     ("no_loss_fn", "loss_fn"), ("more_stages_than_layers", "4 stages"), ("microbatches", "microbatches=3"),
-    ("world", "pipeline=3 must divide the 2 ranks"), ("sharded_stages", "strategy='fully_shard'"),
+    ("world", "pipeline=3 must divide the 2 ranks"), ("sharded_stages", "strategy='tensor_parallel'"),
 ])
 def test_bad_inputs_fail_before_any_collective(jobs, case, words):
     for rank, bad in enumerate(_ok(_results(jobs, 2), "bad")):

@@ -134,16 +134,21 @@ def test_bad_auto_input(kwargs, pattern):
 
 def test_compile_auto_in_one_process_and_its_errors():
     """One process: no pipeline size divides 1 rank with two stages, so the intra-op plan is built; auto needs
-    example inputs; a plan with fully-sharded stages is refused (the runtime runs whole stages)."""
+    example inputs; a plan with fully-sharded stages is followed, one with tensor-parallel stages refused (the
+    runtime runs whole or fully-sharded stages)."""
     model = GPT()
     pmodel = autopar.compile(model, torch.randint(0, 96, (8, 16)), pipeline="auto")
     assert pmodel.plan.pipeline_stages == 1 and "chose the intra-op plan" in pmodel.plan.notes[-1]
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: pipeline='auto' .* needs example_inputs"):
         autopar.compile(GPT(), pipeline="auto")
-    sharded = autopar.plan(model, torch.randint(0, 96, (8, 16)), mesh_shape=(4,), pipeline=2)
-    sharded.strategy = "pipeline+fully_shard"  # what pipeline="auto" may choose when planning, not compiling
-    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: this plan's stages are fully_shard"):
-        autopar.plan(model, torch.randint(0, 96, (8, 16)), mesh_shape=(4,), strategy=sharded, pipeline=2)
+    tokens = torch.randint(0, 96, (8, 16))
+    sharded = autopar.plan(model, tokens, mesh_shape=(4,), pipeline=2, strategy="fully_shard")
+    assert sharded.strategy == "pipeline+fully_shard" and sharded.param_placements["tok.weight"] == ("S(0)", "R")
+    followed = autopar.plan(model, tokens, mesh_shape=(4,), strategy=sharded, pipeline=2)
+    assert followed.strategy == "pipeline+fully_shard", followed.strategy
+    sharded.strategy = "pipeline+tensor_parallel"
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: this plan's stages are tensor_parallel"):
+        autopar.plan(model, tokens, mesh_shape=(4,), strategy=sharded, pipeline=2)
 
 
 @pytest.mark.slow

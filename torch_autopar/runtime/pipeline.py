@@ -9,6 +9,10 @@ summed over the stages that share a tied parameter (each holds a copy: an embedd
 and averaged over the data-parallel ranks of the stage (DDP's semantics), so every copy of a parameter gets
 the gradient of the global batch's mean loss and the user's optimizer keeps the copies equal. Gradients
 accumulated before the step are set aside and added back, so ``accumulate=K`` sums exact gradients.
+Fully-sharded stages (a plan of strategy "pipeline+fully_shard", dp > 1) run under FSDP2
+(``runtime.stage_sharding``): the schedule's last backward reduce-scatters each stage's gradients (the mean over
+dp), the tied sum runs on those shards, ``parameters()`` are the shards the optimizer steps, and
+``state_dict`` / ``load_state_dict`` gather / scatter full tensors.
 Must never plan (it runs the layout it is given) and never write a schedule of its own.
 """
 
@@ -24,6 +28,7 @@ from torch_autopar import _compat, launch
 from torch_autopar.capture.modules import split_stages
 from torch_autopar.errors import AutoparError
 from torch_autopar.runtime import backend as backends
+from torch_autopar.runtime import stage_sharding
 from torch_autopar.runtime.modes import get_mode
 from torch_autopar.runtime.parallel_module import broadcast_module_state
 from torch_autopar.search.pipeline import stage_of_units
@@ -74,6 +79,7 @@ class PipelineModule(torch.nn.Module):
         self.layout = None
         self.stages: torch.nn.ModuleList | None = None
         self._schedules: dict = {}
+        self._sharded = False
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def prepare(self, args: tuple, kwargs: dict | None = None):
@@ -98,13 +104,20 @@ class PipelineModule(torch.nn.Module):
             broadcast_module_state(self._user, None)  # every copy starts from rank 0's values, as DDP does
             self._pp_group = _new_groups([[d * self._pp + p for p in range(self._pp)] for d in range(self._dp)], rank)
             self._dp_group = _new_groups([[d * self._pp + p for d in range(self._dp)] for p in range(self._pp)], rank)
-            self._tied = self._tied_groups(graphs, rank)
+            tied = self._tied_groups(graphs, rank)
         mode = self.mode or get_mode()
         self.stages = torch.nn.ModuleList(_CompiledStage(graphs[s]) if mode == "graph" else graphs[s]
                                           for s in self._mine)
+        self._sharded = stage_sharding.is_sharded(plan, self._dp)
+        if self._sharded:  # replaces the stages' parameters by shards: the tied copies are found by name after
+            stage_sharding.apply_fully_shard(list(self.stages), self._dp_group)
+        if world > 1:
+            mine = {n: p for s in self._mine for n, p in graphs[s].named_parameters(remove_duplicate=False)}
+            self._tied = [([mine[n] for n in names], group) for names, group in tied]
 
-    def _tied_groups(self, graphs, rank) -> list[tuple[list[torch.nn.Parameter], object]]:
-        """For each set of pipeline ranks sharing parameters: (this rank's copies, the group of those ranks)."""
+    def _tied_groups(self, graphs, rank) -> list[tuple[list[str], object]]:
+        """For each set of pipeline ranks sharing parameters: (the names of this rank's copies, the group of
+        those ranks)."""
         holders: dict[int, set[int]] = {}
         params: dict[int, torch.nn.Parameter] = {}
         for s, graph in enumerate(graphs):
@@ -115,11 +128,12 @@ class PipelineModule(torch.nn.Module):
         for key, ranks in holders.items():
             if len(ranks) > 1:
                 shared.setdefault(tuple(sorted(ranks)), []).append(params[key])
+        name_of = {id(p): n for s in self._mine for n, p in graphs[s].named_parameters()}
         tied = []
         for ranks, members in sorted(shared.items()):
             group = _new_groups([[d * self._pp + p for p in ranks] for d in range(self._dp)], rank)
             if self._p in ranks:
-                tied.append((members, group))
+                tied.append(([name_of[id(p)] for p in members], group))
         return tied
 
     def _schedule(self, args: tuple, targets, *, backward: bool = True):
@@ -228,9 +242,10 @@ class PipelineModule(torch.nn.Module):
                 for p in members:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                _all_reduce_flat([p.grad for p in members], group)
-            if self.data_parallel_size > 1:
-                grads = [p.grad for p in params if p.grad is not None]
+                _all_reduce_flat([stage_sharding.local(p.grad) for p in members], group)
+            if self.data_parallel_size > 1:  # fully-sharded stages' gradients: averaged by their reduce-scatter
+                grads = stage_sharding.dense_grads(params) if self._sharded else \
+                    [p.grad for p in params if p.grad is not None]
                 _all_reduce_flat(grads, self._dp_group)
                 for g in grads:
                     g.div_(self.data_parallel_size)
@@ -249,6 +264,7 @@ class PipelineModule(torch.nn.Module):
         schedule = self._schedule(args, None, backward=False)
         with torch.no_grad():
             output = schedule.step(*(args if 0 in self._mine else ()))
+        stage_sharding.reshard(self.stages)
         return self._from_last_stage(output)
 
     def _from_last_stage(self, output):
@@ -274,6 +290,8 @@ class PipelineModule(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         """Full tensors of the whole model under the user's names, gathered from the stages (call on every rank)."""
         full = self._user.state_dict(*args, **kwargs)
+        if self._sharded:
+            stage_sharding.full_state([self._graphs[s] for s in self._mine], full)
         if self.layout is None or self._pp == 1:
             return full
         owner = {}
@@ -286,8 +304,15 @@ class PipelineModule(torch.nn.Module):
         return full
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load full tensors (from ``state_dict()`` or the plain model); each stage keeps its part."""
-        return self._user.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load full tensors (from ``state_dict()`` or the plain model); each stage keeps its part (its shards)."""
+        if not self._sharded:
+            return self._user.load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            raise AutoparError("load_state_dict(assign=True) would replace fully-sharded stages' shards by whole "
+                               "tensors; expected assign=False for a pipelined model with fully-sharded stages.")
+        result = stage_sharding.load_dense_state(self._user, state_dict, strict)
+        stage_sharding.load_full_state([self._graphs[s] for s in self._mine], state_dict)
+        return result
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:

@@ -61,8 +61,8 @@ VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 BACKWARD_FLOPS = 2
 """Backward FLOPs per forward FLOP (gradients for the activations and for the weights)."""
 STAGE_LAYOUTS = ("data_parallel", "fully_shard")
-"""Layouts of a stage over its data-parallel ranks; the runtime runs "data_parallel" stages (``RUNNABLE_LAYOUTS``)."""
-RUNNABLE_LAYOUTS = ("data_parallel",)
+"""Layouts of a stage over its data-parallel ranks, both run by ``runtime.pipeline`` ("fully_shard" through
+FSDP2: ``runtime.stage_sharding``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -321,15 +321,20 @@ def _send_seconds(cost_model: CostModel, nbytes: float) -> float:
 
 
 def _stage_memory(param_bytes: int, activations: float, layout: str, dp: int) -> dict[str, int]:
-    """A stage's bytes per rank: "fully_shard" holds a 1/dp shard of parameters, gradients and Adam state and the
-    gathered parameters for the whole step (as the sharded runtime does); "data_parallel" holds all of them."""
+    """A stage's bytes per rank: "fully_shard" holds a 1/dp shard of parameters, gradients and Adam state, the
+    gathered parameters for the whole step and, as FSDP2 under a schedule does (``runtime.stage_sharding``),
+    whole gradients accumulated over the micro-batches until the step's one reduce-scatter leaves their shard;
+    "data_parallel" holds all of them whole."""
     held = param_bytes // dp if layout == "fully_shard" else param_bytes
-    return {"parameters": held, "gathered_parameters": param_bytes - held, "gradients": held,
+    return {"parameters": held, "gathered_parameters": param_bytes - held,
+            "gradients": held + (param_bytes if held != param_bytes else 0),
             "optimizer": ADAM_STATE_PER_PARAM * held, "activations": int(activations)}
 
 
 def _stage_sync(param_bytes: int, layout: str, cost_model: CostModel, where: str) -> list[PlannedCollective]:
-    """A stage's collectives over its data-parallel ranks (mesh axis 0) once per step."""
+    """A stage's collectives over its data-parallel ranks (mesh axis 0) once per step: "fully_shard" one
+    all_gather (the first micro-batch's forward; kept for the step) and one reduce_scatter (after the last
+    backward), as FSDP2 runs one unit per stage; "data_parallel" one all_reduce."""
     if cost_model.mesh_shape[0] == 1 or param_bytes == 0:
         return []
     kinds = [("all_gather", "forward"), ("reduce_scatter", "grad_sync")] if layout == "fully_shard" else \
@@ -468,11 +473,15 @@ class PipelineLayout:
 
 
 def pipeline_plan(model, args: tuple, options: PipelineOptions, *, world_size: int, hardware: HardwareProfile,
-                  batch_per_rank: int, dp_share: int = 1, given: Plan | None = None) -> PipelineLayout:
-    """Price and cut ``model`` into ``options.stages`` stages (data-parallel inside) for ``world_size`` ranks.
+                  batch_per_rank: int, dp_share: int = 1, given: Plan | None = None,
+                  layout: str = "data_parallel") -> PipelineLayout:
+    """Price and cut ``model`` into ``options.stages`` stages (``layout`` inside) for ``world_size`` ranks.
 
     args: one batch, ``dp_share`` times what each data-parallel rank passes (1 in compile: this rank's slice;
-    the data-parallel size in autopar.plan: the global batch). given: a pipelined Plan to follow (its stages)."""
+    the data-parallel size in autopar.plan: the global batch). given: a pipelined Plan to follow (its stages
+    and its stage layout)."""
+    if given is not None:
+        layout = stage_layout(given)
     measured = measure(model, args, batch_per_rank * dp_share)
     check_layers(measured.num_layers, options.stages, options.schedule)
     microbatches = choose_microbatches(options, batch_per_rank)
@@ -480,7 +489,7 @@ def pipeline_plan(model, args: tuple, options: PipelineOptions, *, world_size: i
     cuts = cuts_from_plan(given, measured.top) if given is not None else balanced_cuts(
         layer_seconds(measured, CostModel(hardware, (1,)), 1.0), options.stages)
     candidate = price(measured, ranks=options.ranks, schedule=options.schedule, microbatches=microbatches,
-                      layout="data_parallel", cuts=cuts, world_size=world_size, global_batch=batch_per_rank * dp,
+                      layout=layout, cuts=cuts, world_size=world_size, global_batch=batch_per_rank * dp,
                       hardware=hardware)
     return PipelineLayout(plan=_plan(model, candidate, hardware), top=measured.top, unit=measured.unit, cuts=cuts)
 
@@ -544,6 +553,16 @@ def choose(intra: Plan | None, intra_error: str | None, found: SearchResult,
     return chosen, pipelined if keep else None
 
 
+def stage_layout(plan: Plan) -> str:
+    """The layout inside a pipelined plan's stages ("pipeline" alone: one rank per stage, whole)."""
+    layout = plan.strategy.removeprefix("pipeline").removeprefix("+") or "data_parallel"
+    if layout not in STAGE_LAYOUTS:
+        raise AutoparError(f"this plan's stages are {layout} over their ranks ({plan.strategy}); the runtime runs "
+                           f"stages laid out as one of {STAGE_LAYOUTS}. Plan with compile(..., pipeline='auto') or "
+                           "pipeline=N, which choose stages that run.")
+    return layout
+
+
 def cuts_from_plan(plan: Plan, top: TopLevel) -> list[int]:
     """The cut points a saved pipelined plan chose (the first layer of each stage)."""
     cuts = [0]
@@ -561,7 +580,7 @@ def _plan(model, candidate: Candidate, hardware: HardwareProfile) -> Plan:
     dp, ranks = candidate.data_parallel, candidate.ranks
 
     def placement(info: TensorInfo) -> str:
-        sharded = candidate.layout == "fully_shard" and dp > 1 and info.shape and info.shape[0] >= dp
+        sharded = candidate.layout == "fully_shard" and dp > 1 and info.shape  # FSDP2 pads dim 0 to dp rows
         return "S(0)" if sharded else "R"
 
     exposed = candidate.step_s - candidate.compute_s
