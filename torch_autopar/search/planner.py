@@ -37,7 +37,7 @@ from torch_autopar.search.milp import Solver
 from torch_autopar.search import recompute
 from torch_autopar.search.plan import Plan
 from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build_problem
-from torch_autopar.search.role_seeds import role_seeds
+from torch_autopar.search.role_seeds import gathered_at_use, role_seeds
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Sharding, format_placements, propagate, seed_placements
 from torch_autopar.strategies.boundary import flat_reduced
@@ -134,15 +134,17 @@ class Planner(Executing):
 
     def role_propagated(self, strategy: str) -> Plan:
         """Propagation from seeds that follow ``strategy``'s role on each mesh axis (``search.role_seeds``)."""
-        seeds = role_seeds(self.program, axis_roles(strategy, self.mesh.ndim), tuple(self.mesh.shape))
+        roles = axis_roles(strategy, self.mesh.ndim)
+        seeds = role_seeds(self.program, roles, tuple(self.mesh.shape))
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
-        return self._plan(strategy, self._propagation(("roles", strategy), seeds), params)
+        gathered = gathered_at_use(self.program, roles, seeds)
+        return self._plan(strategy, self._propagation(("roles", strategy), seeds, gathered), params)
 
-    def _propagation(self, key: tuple, seeds: dict) -> Sharding:
+    def _propagation(self, key: tuple, seeds: dict, gathered: dict | None = None) -> Sharding:
         """``propagate`` from ``seeds``, kept under ``key``: "auto" compares data parallelism and, in the fast
         mode, every named strategy's propagation again (seconds each on a 3-D mesh)."""
         if key not in self._propagations:
-            self._propagations[key] = propagate(self.program, self.mesh, seeds)
+            self._propagations[key] = propagate(self.program, self.mesh, seeds, gathered=gathered)
         return self._propagations[key]
 
     def searched(self, strategy: str) -> Plan:

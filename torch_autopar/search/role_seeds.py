@@ -3,26 +3,37 @@ every mesh axis even when the exact search is out of reach.
 
 Per mesh axis (roles of ``strategies.roles``):
   dp    parameters replicated, user inputs split on dim 0
-  fsdp  parameters split on dim 0 (where it has at least the axis's size), user inputs split on dim 0
-  tp    user inputs replicated, matrices split Megatron-style: along dim 0 (column parallel) when the matrix
-        widens or keeps its input (d -> 4d, the vocabulary head), along dim 1 (row parallel) when it narrows
-        (4d -> d); vectors follow dim 0 where they are long enough
+  fsdp  parameters stored split on dim 0 (where it has at least the axis's size) and gathered (replicated) at
+        each use (``gathered_at_use``), user inputs split on dim 0
+  tp    user inputs replicated, matrices split Megatron-style by the forward data flow (``megatron_splits``): a
+        matrix multiplying an activation that is whole on the axis is column parallel (split along its output,
+        dim 0), one multiplying an activation a column-parallel matrix split is row parallel (dim 1); vectors
+        (norm weights, biases of row-parallel layers) replicated, a column-parallel layer's bias split with it;
+        other parameters (an embedding) split on dim 0
 Buffers stay replicated. Must never look at costs.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from torch_autopar.capture import CapturedProgram
 
+aten = torch.ops.aten
+_VIEWS = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
+          aten._to_copy.default, aten.expand.default, aten.clone.default, aten.reshape.default, aten.detach.default,
+          aten.alias.default, aten.unsqueeze.default}
+"""Ops that hand a parameter to its matrix multiply unchanged in substance (transposed, viewed, cast)."""
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default, aten.linear.default}
 
-def _param_placement(role: str, value: torch.Tensor, size: int):
-    if role == "dp" or value.ndim == 0:
+
+def _param_placement(role: str, value: torch.Tensor, size: int, split: str | None):
+    if role == "dp" or value.ndim == 0 or role == "tp" and value.ndim == 1 and split != "column":
         return Replicate()
-    if role == "tp" and value.ndim == 2 and value.shape[0] < value.shape[1] and value.shape[1] >= size:
-        return Shard(1)
+    if role == "tp" and split == "row":
+        return Shard(1) if value.shape[1] >= size else Replicate()
     return Shard(0) if value.shape[0] >= size else Replicate()
 
 
@@ -31,12 +42,56 @@ def _input_placement(role: str, value) -> object:
 
 
 def role_seeds(program: CapturedProgram, roles: tuple[str, ...], mesh_shape: tuple[int, ...]) -> dict:
-    """Placements of parameters, buffers and user inputs for propagation under ``roles`` (one per mesh axis)."""
+    """Placements of parameters, buffers and user inputs for propagation under ``roles`` (one per mesh axis): the
+    layouts parameters are stored in."""
+    splits = megatron_splits(program) if "tp" in roles else {}
     seeds = {}
     for node in program.param_nodes.values():
         value = node.meta["val"]
-        seeds[node] = tuple(_param_placement(role, value, size) for role, size in zip(roles, mesh_shape))
+        seeds[node] = tuple(_param_placement(role, value, size, splits.get(node))
+                            for role, size in zip(roles, mesh_shape))
     seeds.update({node: tuple(Replicate() for _ in roles) for node in program.buffer_nodes.values()})
     for node in program.input_nodes.values():
         seeds[node] = tuple(_input_placement(role, node.meta.get("val")) for role in roles)
     return seeds
+
+
+def gathered_at_use(program: CapturedProgram, roles: tuple[str, ...], seeds: dict) -> dict:
+    """Parameter node → the layout each of its uses gathers it to: replicated on the fsdp axes, as stored on the
+    others (only parameters stored split on some fsdp axis)."""
+    gathered = {}
+    for node in program.param_nodes.values():
+        stored = seeds[node]
+        used = tuple(Replicate() if role == "fsdp" else p for role, p in zip(roles, stored))
+        if used != tuple(stored):
+            gathered[node] = used
+    return gathered
+
+
+def megatron_splits(program: CapturedProgram) -> dict[fx.Node, str]:
+    """Parameter node → "column" or "row": walking the forward graph, a matrix multiply of a parameter (through
+    views and casts) and an activation whole on the tensor-parallel axis splits the parameter by columns and leaves
+    its output split; of an activation already split, by rows, and its output is whole again (a partial sum);
+    any other op leaves its output split when some activation input is."""
+    origin: dict[fx.Node, fx.Node] = {node: node for node in program.param_nodes.values()}
+    split: set[fx.Node] = set()
+    splits: dict[fx.Node, str] = {}
+    for node in program.graph.graph.nodes:
+        if node.op != "call_function" or program.is_backward(node):
+            continue
+        inputs = node.all_input_nodes
+        if node.target in _VIEWS and len(inputs) == 1 and inputs[0] in origin:
+            origin[node] = origin[inputs[0]]
+            continue
+        params = [origin[n] for n in inputs if n in origin]
+        activations = [n for n in inputs if n not in origin]
+        matrices = [p for p in params if p.meta["val"].ndim == 2]
+        if node.target in _MATMULS and len(matrices) == 1:
+            row = any(n in split for n in activations)
+            for param in params:  # the matrix and its bias
+                splits.setdefault(param, "row" if row else "column")
+            if splits[matrices[0]] == "column":
+                split.add(node)
+        elif any(n in split for n in activations):
+            split.add(node)
+    return splits

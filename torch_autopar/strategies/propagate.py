@@ -71,8 +71,11 @@ class Sharding:
 
 
 class _Propagator:
-    def __init__(self, program: CapturedProgram, mesh: DeviceMesh, seeds: dict, pins: ModulePins | None = None):
+    def __init__(self, program: CapturedProgram, mesh: DeviceMesh, seeds: dict, pins: ModulePins | None = None,
+                 gathered: dict | None = None):
         self.program, self.mesh, self.seeds, self.pins = program, mesh, seeds, pins
+        self.gathered = gathered or {}
+        """Placeholder → the placements each of its uses moves it to (a fully-sharded parameter's gather)."""
         self.result = Sharding(specs={})
         self.output_node = program.graph.graph.find_nodes(op="output")[0]
         self.crossed: dict[tuple, object] = {}
@@ -135,7 +138,17 @@ class _Propagator:
         return spec
 
     def _call(self, node: fx.Node):
-        return self._dispatch(node, lambda value: self._seen_by(value, node))
+        return self._dispatch(node, lambda value: self._used_by(value, node))
+
+    def _used_by(self, value: fx.Node, user: fx.Node):
+        """``value``'s spec as ``user`` receives it, gathered first where ``gathered`` says so (once per use)."""
+        spec, wanted = self._seen_by(value, user), self.gathered.get(value)
+        if wanted is None or not isinstance(spec, _compat.DTensorSpec) or tuple(spec.placements) == wanted:
+            return spec
+        self.result.redistributions.append(Redistribution(
+            node=user.name, arg_index=user.all_input_nodes.index(value), source=tuple(spec.placements),
+            target=wanted, global_nbytes=tensor_nbytes(value.meta.get("val")), backward=self.program.is_backward(user)))
+        return spec_for(self.mesh, value.meta["val"], wanted)
 
     def _dispatch(self, node: fx.Node, spec_of_input):
         """``node``'s output spec from DTensor's rule, given the spec each input node arrives in."""
@@ -270,9 +283,11 @@ def tangent_placements(output_placements) -> tuple:
     return tuple(Replicate() if p.is_partial() else p for p in output_placements)
 
 
-def propagate(program: CapturedProgram, mesh: DeviceMesh, seeds: dict, pins: ModulePins | None = None) -> Sharding:
+def propagate(program: CapturedProgram, mesh: DeviceMesh, seeds: dict, pins: ModulePins | None = None,
+              gathered: dict | None = None) -> Sharding:
     """Placements for every node of ``program`` given ``seeds`` (node → placements per mesh axis), chosen as
     the sharded runtime's DTensor chooses them (``_compat.prefer_early_partial_reduction`` included), with
-    values moved at the module boundaries ``pins`` forces (eager mode's hooks)."""
+    values moved at the module boundaries ``pins`` forces (eager mode's hooks) and the placeholders of
+    ``gathered`` (node → placements) moved at each use (fully-sharded parameters stored split, used whole)."""
     _compat.prefer_early_partial_reduction()
-    return _Propagator(program, mesh, seeds, pins).run()
+    return _Propagator(program, mesh, seeds, pins, gathered).run()
