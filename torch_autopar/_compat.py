@@ -27,7 +27,7 @@ __all__ = [
     "propagate_sharding", "node_flops", "queue_backward_callback", "default_store", "fake_store",
     "aot_autograd_backend",
     "register_dynamo_backend", "functional_all_reduce_inplace", "functional_all_reduce", "functional_reduce_scatter",
-    "functional_wait_tensor", "DynamoUnsupported",
+    "functional_wait_tensor", "functional_all_gather", "recompute_in_backward", "DynamoUnsupported",
     "safe_checkpoint_reader", "recording_ops", "pytree",
 ]
 
@@ -337,6 +337,29 @@ def functional_reduce_scatter():
 def functional_wait_tensor():
     """The op that waits for a functional collective's result."""
     return torch.ops._c10d_functional.wait_tensor.default
+
+
+def functional_all_gather():
+    """The traceable, asynchronous all-gather op (``_c10d_functional.all_gather_into_tensor``: input, group size,
+    group name; dim 0 gathered); pair it with ``functional_wait_tensor``."""
+    return torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
+RECOMPUTED_REGION = 100_000
+"""The checkpoint region id given to every node ``recompute_in_backward`` tags: one region, so that AOTAutograd's
+partitioner (``cleanup_recompute_tags``) never saves a tagged node at the border of two regions; far above the ids
+``torch.utils.checkpoint`` counts from 0 (SimpleFSDP's and AutoParallel's choice)."""
+
+
+def recompute_in_backward(node: torch.fx.Node) -> None:
+    """Make AOTAutograd's partitioner compute ``node`` (a node of a joint graph) again in the backward graph instead
+    of saving its value: the tag selective activation checkpointing gives an op its policy marks
+    ``CheckpointPolicy.MUST_RECOMPUTE`` (``node.meta["recompute"]``, with the region ``node.meta["ac_graph_id"]``);
+    the partitioner otherwise saves every collective's result (``force_save_collectives``)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    node.meta["ac_graph_id"] = RECOMPUTED_REGION
 
 
 def group_name(group: dist.ProcessGroup) -> str:

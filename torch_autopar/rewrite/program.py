@@ -8,6 +8,8 @@ node's ``NodeLayout``, ``trace_program`` traces a program on this rank's local s
   - on every edge whose producer's layout differs from the one the consumer's strategy needs, the move runs as
     DTensor's redistribution planner orders it, which emits ``_c10d_functional`` collectives on the process
     group of each mesh axis; a value moved to one layout is moved once, whatever number of consumers need it;
+  - a view of a parameter is moved as a view of its parameter's one gathered copy (``strategies.param_gathers``),
+    which ``rewrite.reshard`` tags for recomputation in backward when the plan reshards after forward;
   - each op runs on local tensors with local shapes; an output that leaves the op in another layout than the
     plan's is moved to the plan's and reported (``unplanned``);
   - outputs with the batch as dim 0 leave as this rank's rows, others (and all of a full batch's) replicated
@@ -34,10 +36,10 @@ from torch.distributed.tensor import DTensor
 from torch_autopar import _compat
 from torch_autopar.capture.program import _CapturableOutputs, fake_global_inputs
 from torch_autopar.errors import AutoparError
-from torch_autopar.rewrite import placement
+from torch_autopar.rewrite import placement, reshard
 from torch_autopar.rewrite.grad_buckets import GradBuckets
 from torch_autopar.search.plan import Plan
-from torch_autopar.strategies import boundary
+from torch_autopar.strategies import boundary, param_gathers
 from torch_autopar.strategies.placements import format_placements, parse_placements
 
 pytree = _compat.pytree()  # torch.utils._pytree: no public equivalent in torch 2.13
@@ -58,6 +60,8 @@ class ProgramReport:
 
     unplanned: list[UnplannedMove] = field(default_factory=list)
     unlaid: list[str] = field(default_factory=list)
+    regathered: int = 0
+    """Parameter gathers tagged to run again in backward (``rewrite.reshard``; ``Plan.reshard_after_forward``)."""
 
 
 def _placeable(value) -> bool:
@@ -89,12 +93,17 @@ class _Rewriter(fx.Interpreter):
         self.grad_layouts = {node: placements for node, (_, placements) in grads.items()}
         self.buckets = GradBuckets(plan.grad_buckets, grads, mesh, reduce_dtype)
         self.moved: dict[tuple[fx.Node, tuple], DTensor] = {}
+        self.roots: dict[fx.Node, DTensor] = {}
+        """Parameters and their casts (``param_gathers.gathered_root``): what their views' moves gather."""
         self.report = ProgramReport()
         self.node: fx.Node | None = None
 
     def run_node(self, node: fx.Node):
         self.node = node
-        return super().run_node(node)
+        value = super().run_node(node)
+        if param_gathers.gathered_root(node, self._is_param) is node:  # kept for its views' gathers
+            self.roots[node] = value
+        return value
 
     # entering ----------------------------------------------------------------------------------------------------
     def placeholder(self, target, args, kwargs):
@@ -152,9 +161,30 @@ class _Rewriter(fx.Interpreter):
             return value
         key = (producer, target)
         if key not in self.moved:
-            bucketed = self.buckets.result(producer, target)
-            self.moved[key] = bucketed if bucketed is not None else self._redistribute(producer, value, target)
+            moved = self.buckets.result(producer, target)
+            moved = moved if moved is not None else self._from_gathered_root(producer, value, target)
+            self.moved[key] = moved if moved is not None else self._redistribute(producer, value, target)
         return self.moved[key]
+
+    def _from_gathered_root(self, producer: fx.Node, value: DTensor, target: tuple) -> DTensor | None:
+        """``value`` in ``target`` as a view of its parameter's one gathered copy (``strategies.param_gathers``):
+        the parameter gathered (once for all its views) and ``producer``'s views replayed on it; None when
+        ``producer`` is no view of a parameter or the move is no gather."""
+        root = param_gathers.gathered_root(producer, self._is_param)
+        root_value = self.roots.get(root) if root is not producer else None
+        if not isinstance(root_value, DTensor):
+            return None
+        wanted = param_gathers.root_target(tuple(value.placements), target, tuple(root_value.placements))
+        if wanted is None:
+            return None
+        gathered = self._move(root, root_value, wanted)
+        for view in param_gathers.views_from(root, producer):
+            gathered = view.target(*fx.node.map_arg(view.args, lambda _: gathered), **view.kwargs)
+        return gathered if tuple(gathered.placements) == target else None  # a view DTensor lays out otherwise
+
+    @staticmethod
+    def _is_param(node: fx.Node) -> bool:
+        return node.op == "placeholder" and _compat.input_kind(node.meta["desc"]) == "param"
 
     def _redistribute(self, producer: fx.Node, value: DTensor, target: tuple) -> DTensor:
         """``value`` moved to ``target``; a gradient's partial sums are reduced in ``reduce_dtype`` (mixed
@@ -301,6 +331,8 @@ class ShardedProgram:
                                                        names_from=module)
             self.graph, self.report = _rewrite(joint.graph_module, plan, mesh,
                                                placement.batch_size(fake_args, fake_kwargs), reduce_dtype)
+            if plan.reshard_after_forward:  # gathered parameters freed after forward, gathered again for backward
+                self.report.regathered = reshard.recompute_parameter_gathers(self.graph, _Rewriter._is_param)
             _compat.replace_joint_graph(joint, self.graph)
             self._compiled = _compat.compile_joint(joint, *compilers)
         self._params, self._buffers = list(joint.params_spec), list(joint.buffers_spec)

@@ -5,8 +5,8 @@ outputs to the plan's layouts (``rewrite.module_hooks``) and DTensor places the 
 breakpoints work; a print shows a DTensor). A fully-sharded plan's eager calls gather each group's parameters
 (each layer, and the root once per call) by one all_gather and reduce-scatter their gradients by one
 reduce_scatter, each layer around its forward and backward only (``runtime.fsdp``; ``Plan.reshard_after_forward``). Graph: the plan's
-per-rank program (``rewrite.program``: every node in its planned layout, explicit collectives; parameters
-gathered once per step), compiled; ``AUTOPAR_SHARDED_GRAPH=dtensor`` instead runs the eager function through
+per-rank program (``rewrite.program``: every node in its planned layout, explicit collectives; each parameter
+gathered once, again for backward when it reshards), compiled; ``AUTOPAR_SHARDED_GRAPH=dtensor`` instead runs the eager function through
 ``torch.compile``. Both compute the one-process numbers. Must never plan, and never leave a parameter out of
 the optimizer: a parameter replaced by its sharded version is swapped in any optimizer that still holds the
 original.

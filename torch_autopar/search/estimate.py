@@ -18,7 +18,7 @@ from torch_autopar.cost import CostModel, pricing
 from torch_autopar.cost.ops import is_free, node_flops
 from torch_autopar.cost.pricing import ADAM_STATE_PER_PARAM
 from torch_autopar.search.plan import LayerActivations, PlannedCollective
-from torch_autopar.strategies import Sharding
+from torch_autopar.strategies import Sharding, param_gathers
 
 
 @dataclass(kw_only=True)
@@ -105,14 +105,18 @@ def _moved_value(node: fx.Node, arg_index: int) -> fx.Node:
 
 
 def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
-                        axis_names, once_per_value: bool = False) -> None:
+                        axis_names, once_per_value: bool = False, reshard_after_forward: bool = True) -> None:
     """The collectives of every redistribution; ``once_per_value``: a value moved to one layout is moved once
-    for all its consumers (graph mode's program), else once per consumer (DTensor in eager mode)."""
+    for all its consumers (graph mode's program), else once per consumer (DTensor in eager mode); there a view of
+    a parameter is gathered as its parameter (``strategies.param_gathers``): once per step, or once per phase
+    with ``reshard_after_forward``."""
     by_name = {node.name: node for node in program.graph.graph.nodes}
     done = set()
     for redistribution in sharding.redistributions:
         node = by_name[redistribution.node]
         key = (_moved_value(node, redistribution.arg_index), tuple(redistribution.target))
+        if once_per_value:
+            key = _gather_key(program, sharding, redistribution, key[0], reshard_after_forward) or key
         if once_per_value and key in done:
             continue
         done.add(key)
@@ -122,6 +126,20 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
                 kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes,
                 phase="backward" if redistribution.backward else "forward", where=redistribution.node,
                 seconds=cost.collective_time(c.kind, c.axis, c.nbytes), count=count))
+
+
+def _gather_key(program: CapturedProgram, sharding: Sharding, redistribution, moved: fx.Node,
+                reshard_after_forward: bool) -> tuple | None:
+    """The key graph mode's program gathers ``moved`` under when it is a view of a parameter (its parameter's
+    gather, ``param_gathers.gather_key``); None for any other move."""
+    params = set(program.param_nodes.values())
+    root = param_gathers.gathered_root(moved, params.__contains__)
+    layout = _placements(sharding.specs.get(root)) if root is not None else None
+    wanted = None if layout is None else param_gathers.root_target(
+        tuple(redistribution.source), tuple(redistribution.target), tuple(layout))
+    if wanted is None:
+        return None
+    return param_gathers.gather_key(root, wanted, redistribution.backward, reshard_after_forward)
 
 
 def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, buckets: list[list[str]],

@@ -144,8 +144,8 @@ class Plan:
     reshard_after_forward: bool = True
     """Fully-sharded parameters (sharded over a batch axis) are gathered per group (each layer of a ModuleList;
     ``capture.layers.reshard_groups``) around its forward and again for its backward, instead of once per step
-    and kept until backward (False, FSDP2's ``reshard_after_forward=False``). Eager mode; graph mode's program
-    gathers once per step either way."""
+    and kept until backward (False, FSDP2's ``reshard_after_forward=False``). Graph mode's program gathers each
+    parameter once for forward and, when set, again for backward (``rewrite.reshard``)."""
     node_layouts: dict[str, NodeLayout] = field(default_factory=dict)
     """Every node of the captured joint graph (by name) → its layout: what graph mode's per-rank program runs
     (empty for a plan made from the parameter list alone)."""

@@ -1,0 +1,69 @@
+"""Free gathered parameters after forward and gather them again for backward, in graph mode's per-rank program
+(FSDP's ``reshard_after_forward``, as SimpleFSDP does it under torch.compile).
+
+The traced program gathers each parameter once (``strategies.param_gathers``); AOTAutograd's partitioner saves
+every collective's result for backward, so every gathered parameter that backward reads would live from its
+forward use to its backward use. ``recompute_parameter_gathers`` tags each parameter's gather, its wait, the cheap
+ops between the parameter and the gather (a mixed-precision cast, DTensor's padding of uneven shards) and those
+between the wait and the compute that reads it (views, the split and cat of a gather on another dim, the cut of
+the padding) for recomputation: the partitioner then saves the parameter's shard and runs the chain again in the
+backward graph, just before backward's first use. Called when ``Plan.reshard_after_forward`` is set, after
+tracing and before the joint graph is partitioned. Must never tag a collective that moves an activation or a
+gradient, nor an op that costs more than a copy.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from torch_autopar import _compat
+from torch_autopar.capture.layers import CASTS
+from torch_autopar.strategies.param_gathers import ELEMENT_VIEWS
+
+CHEAP = ELEMENT_VIEWS | {"split", "split_with_sizes", "cat", "slice", "narrow", "clone", "contiguous",
+                         "constant_pad_nd", "_to_copy", "convert_element_type", "copy"}
+"""Ops recomputed with a gather when they read only the gather (or its parameter): copies and views, no compute."""
+
+
+def _cheap(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem or node.target in CASTS:
+        return True
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0] in CHEAP
+
+
+def _parameter_side(gather: fx.Node, is_param) -> list[fx.Node] | None:
+    """The cheap single-input ops from a parameter to ``gather``'s input; None when the gathered value is not a
+    parameter's."""
+    chain, node = [], gather.all_input_nodes[0]
+    while node.op != "placeholder":
+        if not _cheap(node) or len(node.all_input_nodes) != 1:
+            return None
+        chain.append(node)
+        node = node.all_input_nodes[0]
+    return chain if is_param(node) else None
+
+
+def recompute_parameter_gathers(graph_module: fx.GraphModule, is_param) -> int:
+    """Tag, in the joint graph ``graph_module``, every parameter's gather with the cheap ops around it for
+    recomputation in backward (``_compat.recompute_in_backward``); returns how many gathers were tagged.
+    ``is_param(placeholder)``: whether it is a parameter."""
+    tagged: set[fx.Node] = set()
+    gathers = graph_module.graph.find_nodes(op="call_function", target=_compat.functional_all_gather())
+    for gather in gathers:
+        before = _parameter_side(gather, is_param)
+        if before is not None:
+            tagged.update(before + [gather])
+    count = len(tagged & set(gathers))
+    for node in graph_module.graph.nodes:  # in topological order: a node's inputs are decided before it
+        if node in tagged or node.op != "call_function" or not node.all_input_nodes:
+            continue
+        waits = node.target is _compat.functional_wait_tensor()
+        if (waits or _cheap(node)) and all(arg in tagged for arg in node.all_input_nodes):
+            tagged.add(node)
+    for node in tagged:
+        _compat.recompute_in_backward(node)
+    return count

@@ -1,0 +1,78 @@
+"""How graph mode's per-rank program gathers a parameter: the one home of the rule, for the planner that counts
+the gathers and the program that runs them.
+
+A value that is a parameter, its mixed-precision cast, or a chain of views that keep every element of one of
+them (``gathered_root``) is not gathered itself: the program gathers its root, once, to the root's layout with
+each mesh axis the move replicates replicated (``root_target``), and replays the views on that copy. Forward and
+backward then read one gathered copy of each parameter: with ``Plan.reshard_after_forward`` the copy is freed
+after forward and gathered again for backward (``rewrite.reshard`` tags it for recomputation), without it the
+copy is kept until backward. ``gather_key`` is what the planner counts a gather under: once per step, or once
+per phase when the plan reshards. Must never choose a layout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx as fx
+from torch.distributed.tensor import Replicate
+
+from torch_autopar.capture.layers import CASTS
+
+ELEMENT_VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "reshape", "unsqueeze", "squeeze",
+                           "alias", "detach"})
+"""Views that keep every element of their input (a slice or an expand does not): a gather of one moves the
+bytes its root's gather moves."""
+
+
+def _name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def gathered_root(node: fx.Node, is_param: Callable[[fx.Node], bool]) -> fx.Node | None:
+    """The node a move of ``node``'s value gathers instead: the parameter ``node`` is an element view of (or
+    its mixed-precision cast, gathered in the cast dtype); None when ``node`` is neither."""
+    current = node
+    while True:
+        if current.op == "placeholder":
+            return current if is_param(current) else None
+        inputs = current.all_input_nodes
+        if current.op != "call_function" or len(inputs) != 1:
+            return None
+        if current.target in CASTS:
+            return current if inputs[0].op == "placeholder" and is_param(inputs[0]) else None
+        if _name(current) not in ELEMENT_VIEWS:
+            return None
+        current = inputs[0]
+
+
+def views_from(root: fx.Node, node: fx.Node) -> list[fx.Node]:
+    """The views between ``root`` and ``node`` (``gathered_root(node) is root``), in the order they apply."""
+    chain = []
+    while node is not root:
+        chain.append(node)
+        node = node.all_input_nodes[0]
+    return chain[::-1]
+
+
+def root_target(source: tuple, target: tuple, root_layout: tuple) -> tuple | None:
+    """The layout ``root`` (in ``root_layout``) is gathered to when a view of it moves from ``source`` to
+    ``target``: each axis the move takes from a shard to a replica replicated, the others as they are. None when
+    the move is not only gathers, or nothing is gathered."""
+    if not len(source) == len(target) == len(root_layout):
+        return None
+    wanted = []
+    for have, want, root in zip(source, target, root_layout):
+        if have == want:
+            wanted.append(root)
+        elif have.is_shard() and want.is_replicate() and root.is_shard():
+            wanted.append(Replicate())
+        else:
+            return None
+    return None if tuple(wanted) == tuple(root_layout) else tuple(wanted)
+
+
+def gather_key(root: fx.Node, target: tuple, backward: bool, reshard_after_forward: bool) -> tuple:
+    """What a gather of ``root`` to ``target`` is counted under: one per step, one per phase when the plan frees
+    gathered parameters after forward (backward gathers its own copy)."""
+    return root, tuple(target), backward and reshard_after_forward
