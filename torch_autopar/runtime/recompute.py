@@ -62,28 +62,46 @@ def _checkpointed(forward, policy: str, layer: nn.Module):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # nothing is kept for backward anyway
             return forward(*args, **kwargs)
-        return checkpoint(_in_this_call_state(forward, layer), *args, **options, **kwargs)
+        return checkpoint(_in_this_call_state(forward, layer, recast=policy == "full"), *args, **options, **kwargs)
 
     run._autopar_checkpointed = policy
     return run
 
 
-def _in_this_call_state(forward, layer: nn.Module):
-    """``forward`` recomputed in backward with the parameters and buffers ``layer`` has in this call: under a
+def _in_this_call_state(forward, layer: nn.Module, recast: bool):
+    """``forward`` recomputed in backward with the parameters ``layer`` has in this call: under a
     ``functional_call`` (mixed precision's low-precision copies, a sharded plan's compute tensors) the layer holds
-    other tensors than when backward runs, after the call has restored the masters."""
-    state = dict(layer.named_parameters(remove_duplicate=False))
-    state.update(layer.named_buffers(remove_duplicate=False))
+    other tensors than when backward runs, after the call has restored the masters. A plain cast of a master is
+    cast again for the recompute when ``recast`` ("full": freeing it is what recomputation is for; "selective"
+    recomputes under a policy that would see the cast as an op the forward did not run there: the cast is kept);
+    other tensors are what the layer holds when backward runs (a fully-sharded layer's parameters gathered again,
+    ``runtime.fsdp``)."""
+    recipes = {}
+    for name, param in layer.named_parameters(remove_duplicate=False):
+        recipe = _recast(param)
+        if recipe is not None:
+            recipes[name] = recipe if recast else (lambda param=param: param)
 
     def recomputable(*args, **kwargs):
-        now = dict(layer.named_parameters(remove_duplicate=False))
-        now.update(layer.named_buffers(remove_duplicate=False))
-        if all(now.get(name) is tensor for name, tensor in state.items()):
+        if not recipes or not _compat.in_backward():  # the forward: the layer holds this call's tensors
             return forward(*args, **kwargs)
-        with _compat.reparametrized(layer, state):
+        with _compat.reparametrized(layer, {name: recipe() for name, recipe in recipes.items()}):
             return forward(*args, **kwargs)
 
     return recomputable
+
+
+def _recast(tensor: torch.Tensor):
+    """For a plain dtype cast of a parameter (``master.to(dtype)``, what mixed precision computes with), a function
+    casting the master again; otherwise None."""
+    node = tensor.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0" or len(node.next_functions) != 1:
+        return None
+    source = getattr(node.next_functions[0][0], "variable", None)  # an AccumulateGrad: the master
+    if type(source) is not nn.Parameter or source.shape != tensor.shape:
+        return None
+    dtype = tensor.dtype
+    return lambda: source.to(dtype)  # with its autograd edge, as in the forward: the same tensors are saved
 
 
 def apply_activation_checkpointing(module: nn.Module, policy) -> list[nn.Module]:
