@@ -115,16 +115,17 @@ def test_apply_plan_wraps_exactly_the_plan_layers_and_refuses_unknown_ones():
         apply_plan(model, {"blocks.7": "full"})
 
 
-@pytest.mark.parametrize("policy", ("full", "selective"))
-def test_under_mixed_precision_recomputation_sees_the_low_precision_parameters(policy):
+@pytest.mark.parametrize("policy,mode", (("full", "eager"), ("selective", "eager"), ("full", "graph")))
+def test_under_mixed_precision_recomputation_sees_the_low_precision_parameters(policy, mode):
     """The recompute in backward runs after the call restored the fp32 masters: it must run on the bf16 copies
     the forward used (else a dtype mismatch), and give exactly the gradients of keeping every activation."""
     tokens = _tokens(batch=4)
     results = {}
     for checkpointing in (None, policy):
+        torch._dynamo.reset()
         model = _gpt()
-        loss = gpt_loss(autopar.compile(model, tokens, mixed_precision="bf16", activation_checkpointing=checkpointing,
-                                        mode="eager")(tokens), tokens)
+        loss = gpt_loss(autopar.compile(model, tokens, strategy="fully_shard", mixed_precision="bf16",
+                                        activation_checkpointing=checkpointing, mode=mode)(tokens), tokens)
         loss.backward()
         results[checkpointing] = loss.item(), support.params_of(model), {n: p.grad for n, p in model.named_parameters()}
     assert results[policy][0] == results[None][0]

@@ -76,6 +76,8 @@ def _in_this_call_state(forward, layer: nn.Module, recast: bool):
     recomputes under a policy that would see the cast as an op the forward did not run there: the cast is kept);
     other tensors are what the layer holds when backward runs (a fully-sharded layer's parameters gathered again,
     ``runtime.fsdp``)."""
+    if torch.compiler.is_compiling():  # captured or compiled: dynamo recomputes from the graph's own inputs
+        return forward
     recipes = {}
     for name, param in layer.named_parameters(remove_duplicate=False):
         recipe = _recast(param)
