@@ -775,3 +775,25 @@ def keeping_version(tensor: torch.Tensor):
     """A context in which writing into ``tensor`` leaves its version counter as it was, so autograd still accepts
     the copies it saved (``torch.autograd._unsafe_preserve_version_counter``, as FSDP2 refills a parameter)."""
     return torch.autograd._unsafe_preserve_version_counter(tensor)
+
+
+@contextlib.contextmanager
+def outside_selective_checkpoint():
+    """A context in which the ops run are not seen by a selective activation checkpoint's dispatch modes (torch
+    2.13 records every op of a checkpointed forward and requires its recompute to replay exactly those: a
+    fully-sharded layer's gather, prefetched before the forward but issued in the recompute, would not match).
+    Pops the checkpoint's modes (``torch.utils.checkpoint._CachingTorchDispatchMode`` /
+    ``_CachedTorchDispatchMode``) from the top of the dispatch-mode stack and pushes them back on exit; modes
+    below them (a collective counter) still see the ops."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    popped = []
+    while (stack := _get_current_dispatch_mode_stack()) and isinstance(
+            stack[-1], (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
+        popped.append(_pop_mode())
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)

@@ -63,8 +63,8 @@ def test_bad_policy_and_a_model_without_repeated_layers_raise():
         apply_activation_checkpointing(torch.nn.Linear(4, 4), "full")
 
 
-CASES = [("data_parallel", "graph", "full"), ("fully_shard", "eager", "full"), ("fully_shard", "graph", "selective"),
-         ("tensor_parallel", "eager", "selective")]
+CASES = [("data_parallel", "graph", "full"), ("fully_shard", "eager", "full"), ("fully_shard", "eager", "selective"),
+         ("fully_shard", "graph", "selective"), ("tensor_parallel", "eager", "selective")]
 
 
 def _run(rank, world, strategy, mode, policy):

@@ -28,7 +28,9 @@ ONE reduce_scatter that leaves each gradient's shard in its parameter's layout, 
              group's reduce-scatter runs.
   recompute  the wrapper sits inside an activation checkpoint (``runtime.recompute.wrap_inside_checkpoint``): the
              recompute in backward gathers again and keeps those tensors for that layer's backward only (its
-             forward kept nothing, so nothing is refilled).
+             forward kept nothing, so nothing is refilled). Gathers run outside a selective checkpoint's record
+             of ops (``_compat.outside_selective_checkpoint``): prefetched for the forward, issued in the
+             recompute, they are not the same ops, and the recompute must replay the forward's.
 
 A group is freed only when one of its outputs carries a gradient (else nothing could refill it).
 Must never change what a group computes, keep a gathered group past its forward and its backward (a prefetch
@@ -148,10 +150,12 @@ class FullyShardedGroups:
             if not (self.enabled and self.reshard):
                 return forward(*args, **kwargs)
             recompute = _compat.in_backward()
-            computed, gathered = self.gathers[group].compute(None if recompute else self._prefetched.pop(group, None))
-            if not recompute:
-                self._seen.append(group)
-                self._prefetch_after(group)
+            with _compat.outside_selective_checkpoint():  # gathered in the forward or prefetched: not replayed
+                computed, gathered = self.gathers[group].compute(None if recompute else
+                                                                 self._prefetched.pop(group, None))
+                if not recompute:
+                    self._seen.append(group)
+                    self._prefetch_after(group)
             with _compat.reparametrized(layer, {n[len(prefix):]: t for n, t in computed.items()}):
                 output = forward(*args, **kwargs)
             if recompute or not torch.is_grad_enabled():  # a recompute: kept for this backward only
