@@ -1,14 +1,17 @@
 """Activation checkpointing (``compile(..., activation_checkpointing="full" | "selective")``): the same numbers
 as without, less activation memory (measured with PyTorch's MemTracker), in one process and on 2 gloo ranks under
 data_parallel, fully_shard and tensor_parallel, eager and graph mode (3 AdamW steps against one process); under
-bf16 mixed precision, recomputation runs on the forward's bf16 parameter copies (exactly the same gradients)."""
+bf16 mixed precision, recomputation casts each master again as the forward did (in one process and, sharded and
+laid out, on 2 ranks): exactly the same gradients."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import torch_autopar as autopar
 from torch_autopar import _compat
@@ -77,8 +80,37 @@ def _run(rank, world, strategy, mode, policy):
     return {"losses": losses, "params": {n: state[n].clone() for n, _ in model.named_parameters()}}
 
 
+BF16_CASES = [(strategy, policy) for strategy in ("fully_shard", "tensor_parallel") for policy in ("full", "selective")]
+
+
+def _local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _bf16_step(rank, world, strategy, policy=None):
+    """One bf16 step on a fresh GPT: the plan, the loss and this rank's local gradient shards."""
+    torch._dynamo.reset()
+    model = _gpt()
+    x = _tokens(batch=4).chunk(world)[rank]
+    pmodel = autopar.compile(model, x, strategy=strategy, mixed_precision="bf16", activation_checkpointing=policy)
+    loss = gpt_loss(pmodel(x), x)
+    loss.backward()
+    return pmodel.plan, loss.item(), {n: _local(p.grad).clone() for n, p in model.named_parameters()}
+
+
+def _bf16_with_and_without_recomputing(rank, world, strategy, policy):
+    """The plan searched under ``policy``, then that plan given as it is, then keeping every activation."""
+    plan, *searched = _bf16_step(rank, world, strategy, policy)
+    assert set(plan.activation_checkpointing.values()) == {policy}, plan.activation_checkpointing
+    _, *given = _bf16_step(rank, world, plan)
+    _, *kept = _bf16_step(rank, world, dataclasses.replace(plan, activation_checkpointing={}))
+    return searched, given, kept
+
+
 def _job(rank, world):
-    return {case: support.outcome(_run, rank, world, *case) for case in CASES}
+    return {**{case: support.outcome(_run, rank, world, *case) for case in CASES},
+            **{("bf16",) + case: support.outcome(_bf16_with_and_without_recomputing, rank, world, *case)
+               for case in BF16_CASES}}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +127,22 @@ def _reference():
 @pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_equals_one_process_on_two_ranks(job, case):
     support.assert_ranks_equal_one_process([result[case] for result in job], _reference(), str(case))
+
+
+@pytest.mark.parametrize("strategy,policy", BF16_CASES)
+def test_sharded_bf16_recomputation_gives_the_gradients_of_keeping_every_activation(job, strategy, policy):
+    """On 2 ranks the forward's bf16 copies are cast (and laid out) by the mixed-precision cast; the recompute
+    casts each sharded master again the same way: the same loss and local gradients, bit for bit, as the same
+    plan keeping every activation. (The searched plan runs too; given back as a Plan it may run the collectives in
+    another order, so its loss is compared within bf16 rounding.)"""
+    for rank, result in enumerate(job):
+        status, run = result[("bf16", strategy, policy)]
+        assert status == "ok", (rank, status, run)
+        (searched_loss, _), (loss, grads), (kept_loss, kept_grads) = run
+        assert abs(searched_loss - kept_loss) < 1e-2 * kept_loss, (rank, searched_loss, kept_loss)  # bf16 rounding
+        assert loss == kept_loss, (rank, loss, kept_loss)
+        for name, grad in kept_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=f"rank {rank}: {name}")
 
 
 def test_apply_plan_wraps_exactly_the_plan_layers_and_refuses_unknown_ones():

@@ -151,6 +151,16 @@ class _ToCompute(torch.autograd.Function):
         return reduced.to(ctx.master_dtype), None, None, None
 
 
+def to_compute(param, placements: tuple, dtype: torch.dtype, reduce_dtype: torch.dtype):
+    """``param`` (a DTensor) cast to ``dtype`` in ``placements``, its gradient reduced in ``reduce_dtype``."""
+    return _ToCompute.apply(param, placements, dtype, reduce_dtype)
+
+
+def to_compute_node() -> type:
+    """The autograd node class of ``to_compute``'s output (activation checkpointing casts the master again)."""
+    return _ToCompute._backward_cls
+
+
 def compute_parameters(params: dict, placements: dict, policy: MixedPrecision | None) -> dict:
     """Parameter name → the tensor a sharded plan's forward computes with. ``params``: name → DTensor parameter;
     ``placements``: name → compute placements, for the parameters gathered before the forward. Without a policy,
@@ -161,5 +171,5 @@ def compute_parameters(params: dict, placements: dict, policy: MixedPrecision | 
     for name, param in params.items():
         if param.is_floating_point():
             wanted = placements.get(name, tuple(param.placements))
-            computed[name] = _ToCompute.apply(param, wanted, policy.param_dtype, policy.reduce_dtype)
+            computed[name] = to_compute(param, wanted, policy.param_dtype, policy.reduce_dtype)
     return computed

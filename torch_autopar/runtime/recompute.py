@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch_autopar import _compat
 from torch_autopar.cost.pricing import SAVED_BY_SELECTIVE
 from torch_autopar.errors import AutoparError
+from torch_autopar.runtime import precision
 from torch_autopar.search.recompute import POLICIES
 
 
@@ -94,16 +95,22 @@ def _in_this_call_state(forward, layer: nn.Module, recast: bool):
 
 
 def _recast(tensor: torch.Tensor):
-    """For a plain dtype cast of a parameter (``master.to(dtype)``, what mixed precision computes with), a function
-    casting the master again; otherwise None."""
+    """For a cast of a parameter (``master.to(dtype)``, what mixed precision computes with; on a sharded plan
+    ``precision._ToCompute``, the cast moved to its compute layout), a function casting the master again;
+    otherwise None."""
     node = tensor.grad_fn
-    if node is None or type(node).__name__ != "ToCopyBackward0" or len(node.next_functions) != 1:
+    if node is None or not node.next_functions:
         return None
     source = getattr(node.next_functions[0][0], "variable", None)  # an AccumulateGrad: the master
-    if type(source) is not nn.Parameter or source.shape != tensor.shape:
+    if not isinstance(source, nn.Parameter) or source.shape != tensor.shape:
         return None
     dtype = tensor.dtype
-    return lambda: source.to(dtype)  # with its autograd edge, as in the forward: the same tensors are saved
+    if type(node).__name__ == "ToCopyBackward0" and len(node.next_functions) == 1:
+        return lambda: source.to(dtype)  # with its autograd edge, as in the forward: the same tensors are saved
+    if isinstance(node, precision.to_compute_node()):
+        placements, reduce_dtype = tuple(tensor.placements), node.reduce_dtype
+        return lambda: precision.to_compute(source, placements, dtype, reduce_dtype)
+    return None
 
 
 def apply_activation_checkpointing(module: nn.Module, policy) -> list[nn.Module]:
