@@ -8,6 +8,7 @@ public behaviour it stands for. This module must never import another torch_auto
 from __future__ import annotations
 
 import contextlib
+import copy
 import pickle
 from typing import Any, Callable
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors, make_boxed_func
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
@@ -362,6 +363,12 @@ def recompute_in_backward(node: torch.fx.Node) -> None:
     node.meta["ac_graph_id"] = RECOMPUTED_REGION
 
 
+def fake_copy(module: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are ``fake_mode``'s fake tensors (no storage)."""
+    with FakeCopyMode(fake_mode):
+        return copy.deepcopy(module)
+
+
 def group_name(group: dist.ProcessGroup) -> str:
     """The registered name of a process group, as functional collectives expect it."""
     return group.group_name
@@ -448,8 +455,7 @@ def allow_implicit_replication() -> None:
 def collective_op_kinds() -> dict:
     """Collective ops as they reach the dispatcher (functional and c10d), by overload packet → (kind, how the
     moved bytes are read: "input" (the first argument), "output" or the index of the argument sent, group
-    argument index (a name, or a c10d op's process group: ``dispatched_group_name``), or None for c10d ops
-    counted on the whole world)."""
+    argument index (a name, or a c10d op's process group: ``dispatched_group_name``))."""
     fc, c10d = torch.ops._c10d_functional, torch.ops.c10d
     return {
         fc.all_reduce: ("all_reduce", "input", 2), fc.all_reduce_: ("all_reduce", "input", 2),
@@ -457,8 +463,8 @@ def collective_op_kinds() -> dict:
         fc.reduce_scatter_tensor: ("reduce_scatter", "input", 3),
         fc.all_to_all_single: ("all_to_all", "input", 3),
         fc.broadcast: ("broadcast", "input", 2),
-        c10d.allreduce_: ("all_reduce", "input", None), c10d.broadcast_: ("broadcast", "input", None),
-        c10d._allgather_base_: ("all_gather", "output", 2), c10d.allgather_: ("all_gather", "output", None),
+        c10d.allreduce_: ("all_reduce", "input", 1), c10d.broadcast_: ("broadcast", "input", 1),
+        c10d._allgather_base_: ("all_gather", "output", 2), c10d.allgather_: ("all_gather", "output", 2),
         c10d._reduce_scatter_base_: ("reduce_scatter", 1, 2),
     }
 

@@ -3,8 +3,11 @@ losses (1e-5 relative) and full parameters (rtol 1e-4, atol 1e-5) after 3 AdamW 
 for the GPT (embedding tied to the output head across the two stages) and an MLP of identical blocks, GPipe and
 1F1B, eager and graph mode, and the MLP under pipeline="auto"; on 4 ranks also with fully-sharded stages
 (strategy="fully_shard": FSDP2 over each stage's 2 data-parallel ranks, each rank holding half of its stage's
-parameters), one of them accumulating two half-batches per step and reloaded from its full state_dict;
-``autopar.Model.train`` drives ``step``; ``state_dict`` gathers the whole model; bad inputs fail with
+parameters; interleaved 1F1B too), one of them accumulating two half-batches per step and reloaded from its full state_dict;
+every step runs exactly its rank's share of the plan's collectives (counted); ``save_checkpoint`` /
+``load_checkpoint`` resume bit for bit (tied, fully-sharded and interleaved stages) and load into the model without
+a pipeline; ``autopar.Model.train`` drives
+``step``; ``state_dict`` gathers the whole model; bad inputs fail with
 torch_autopar errors before any collective.
 
 One spawned job per (world, layout) runs every case.
@@ -14,6 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import shutil
+import tempfile
+from collections import Counter
 
 import pytest
 import torch
@@ -21,6 +28,8 @@ from torch.distributed.tensor import DTensor
 
 import torch_autopar as autopar
 from torch_autopar.cost import Link, get_profile
+from torch_autopar.runtime.comm_count import CollectiveCounter
+from torch_autopar.search.pipeline import rank_collectives
 from torch_autopar.testing import run_on_ranks
 from tests import support
 
@@ -32,7 +41,8 @@ CASES = {
         for mode in ("eager", "graph")] + [("blocks", "interleaved_1f1b", "eager")],
     4: [("gpt", "gpipe", "eager"), ("gpt", "1f1b", "graph"), ("blocks", "1f1b", "eager"),
         ("blocks", "gpipe", "graph"), ("gpt", "gpipe", "eager", "fully_shard"),
-        ("gpt", "1f1b", "graph", "fully_shard"), ("blocks", "1f1b", "eager", "fully_shard")],
+        ("gpt", "1f1b", "graph", "fully_shard"), ("blocks", "1f1b", "eager", "fully_shard"),
+        ("blocks", "interleaved_1f1b", "eager", "fully_shard")],
 }
 
 
@@ -93,14 +103,17 @@ def _auto_intra_case(rank, world):
 
 
 def _train(pmodel, model, model_name, dp, accumulate=1):
-    optimizer = support.make_optimizer("adamw", pmodel.parameters())
     slot = pmodel.data_parallel_rank
-    losses = []
+    pmodel.prepare((support.global_batch(model_name, 0)[0].chunk(dp)[slot].chunk(accumulate)[0],))
+    optimizer = support.make_optimizer("adamw", pmodel.parameters())
+    losses, counted = [], []
     for step in range(support.STEPS):
         x, y = support.global_batch(model_name, step)
         optimizer.zero_grad(set_to_none=True)
         parts = zip(x.chunk(dp)[slot].chunk(accumulate), y.chunk(dp)[slot].chunk(accumulate))
-        losses.append(sum(pmodel.step(xs, ys, loss_scale=1 / accumulate).item() for xs, ys in parts) / accumulate)
+        with CollectiveCounter(groups=pmodel.axis_groups) as counter:
+            losses.append(sum(pmodel.step(xs, ys, loss_scale=1 / accumulate).item() for xs, ys in parts) / accumulate)
+        counted.append(counter.summary())
         optimizer.step()
     state = pmodel.state_dict()
     output = pmodel(x.chunk(dp)[slot])
@@ -111,7 +124,9 @@ def _train(pmodel, model, model_name, dp, accumulate=1):
             "dp": (pmodel.data_parallel_rank, pmodel.data_parallel_size), "output": output,
             "plan": (pmodel.plan.pipeline_stages, pmodel.plan.microbatches, pmodel.plan.schedule),
             "held": (held, sum(p.numel() for p in params.values())), "strategy": pmodel.plan.strategy,
-            "planned": sorted({(c.kind, c.axis, c.where) for c in pmodel.plan.collectives if c.kind != "send"})}
+            "planned": sorted({(c.kind, c.axis, c.where) for c in pmodel.plan.collectives if c.kind != "send"}),
+            "counted": counted, "planned_here": Counter({(c.kind, c.axis, c.nbytes): c.count * accumulate for c in
+                                                         rank_collectives(pmodel.plan, pmodel.pipeline_rank)})}
 
 
 def _local(param):
@@ -120,6 +135,45 @@ def _local(param):
 
 def _whole(param):
     return param.detach().full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+
+
+def _checkpoint_case(rank, world, directory, model_name, strategy, schedule):
+    """Three steps uninterrupted; then one step, ``save_checkpoint``, a fresh model (other initial values) loading
+    it and two more steps: the same losses and final full parameters. The same checkpoint also loads into the
+    model compiled without a pipeline (``data_parallel``): the state after the first step."""
+    dp = world // 2
+
+    def fresh(seed=0):
+        x, _ = support.global_batch(model_name, 0)
+        pmodel = autopar.compile(support.build_model(model_name, seed=seed), x.chunk(dp)[rank // 2], pipeline=2,
+                                 schedule=schedule, loss_fn=functools.partial(support.loss_fn, model_name),
+                                 strategy=strategy)
+        return pmodel, support.make_optimizer("adamw", pmodel.parameters())
+
+    def steps(pmodel, optimizer, first, last):
+        losses = []
+        for step in range(first, last):
+            x, y = (t.chunk(dp)[pmodel.data_parallel_rank] for t in support.global_batch(model_name, step))
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(pmodel.step(x, y).item())
+            optimizer.step()
+        return losses
+
+    path = os.path.join(directory, f"{model_name}-{strategy}-{schedule}")
+    pmodel, optimizer = fresh()
+    uninterrupted = steps(pmodel, optimizer, 0, 3), pmodel.state_dict()
+    pmodel, optimizer = fresh()
+    first = steps(pmodel, optimizer, 0, 1)
+    autopar.save_checkpoint(path, pmodel, optimizer, step=1)
+    after_first = pmodel.state_dict()
+    pmodel, optimizer = fresh(seed=1)
+    extra = autopar.load_checkpoint(path, pmodel, optimizer)
+    resumed = first + steps(pmodel, optimizer, 1, 3), pmodel.state_dict()
+    x, _ = support.global_batch(model_name, 0)
+    plain = autopar.compile(support.build_model(model_name, seed=2), x.chunk(world)[rank], strategy="data_parallel")
+    autopar.load_checkpoint(path, plain)
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "extra": extra, "after_first": after_first,
+            "loaded_without_pipeline": plain.state_dict()}
 
 
 def _trainer_case(rank, world):
@@ -139,8 +193,27 @@ def _trainer_case(rank, world):
     return {"metrics": metrics, "params": {n: state[n].clone() for n, _ in model.named_parameters()},
             "given": ([r.layers for r in given.plan.stages] == [r.layers for r in plan.stages],
                       given.plan.microbatches),
-            "reloaded": {n: reloaded[n].clone() for n, _ in model.named_parameters()},
-            "checkpoint": support.outcome(autopar.save_checkpoint, "/nonexistent/ckpt", pmodel)}
+            "reloaded": {n: reloaded[n].clone() for n, _ in model.named_parameters()}}
+
+
+def _trainer_resume_case(rank, world, directory):
+    """``_trainer_case``'s epoch with a checkpoint after every step, stopped after the second; a fresh model
+    resumes it mid-epoch (``resume=True``)."""
+    xs, ys = zip(*(support.global_batch("gpt", step) for step in range(support.STEPS)))
+    data = (torch.cat(xs), torch.cat(ys))
+    path = os.path.join(directory, "trainer")
+
+    def trainer(seed, callbacks=None, **options):
+        pmodel = autopar.compile(support.build_model("gpt", seed=seed), pipeline=2, schedule="1f1b", microbatches=2)
+        model = autopar.Model(pmodel, functools.partial(support.loss_fn, "gpt"),
+                              support.make_optimizer("adamw", pmodel.parameters()))
+        model.train(1, data, batch_size=support.GLOBAL_BATCH, shuffle=False, progress=False, callbacks=callbacks,
+                    checkpoint_dir=path, checkpoint_every=1, **options)
+        return pmodel
+
+    trainer(0, callbacks=lambda info: info["event"] == "step" and info["step"] == 2)
+    state = trainer(1, resume=True).state_dict()
+    return {n: state[n].clone() for n in state}
 
 
 def _bad_inputs(rank, world):
@@ -157,12 +230,19 @@ def _bad_inputs(rank, world):
     }
 
 
-def _job(rank, world):
+CHECKPOINTS = {2: [("gpt", "auto", "1f1b"), ("blocks", "auto", "interleaved_1f1b")],
+               4: [("gpt", "fully_shard", "gpipe")]}
+
+
+def _job(rank, world, directory):
     results = {case: support.outcome(_train_case, rank, world, *case) for case in CASES[world]}
+    for case in CHECKPOINTS[world]:
+        results[("checkpoint",) + case] = support.outcome(_checkpoint_case, rank, world, directory, *case)
     if world == 2:
         results["auto"] = support.outcome(_auto_case, rank, world)
         results["auto_intra"] = support.outcome(_auto_intra_case, rank, world)
         results["trainer"] = support.outcome(_trainer_case, rank, world)
+        results["trainer_resume"] = support.outcome(_trainer_resume_case, rank, world, directory)
         results["bad"] = support.outcome(_bad_inputs, rank, world)
     if world == 4:
         results["sharded_accumulate"] = support.outcome(_sharded_accumulate_case, rank, world)
@@ -176,7 +256,11 @@ def jobs():
 
 def _results(jobs, world):
     if world not in jobs:
-        jobs[world] = run_on_ranks(_job, world, timeout_s=600)
+        directory = tempfile.mkdtemp(prefix="autopar-pipeline-")
+        try:
+            jobs[world] = run_on_ranks(_job, world, directory, timeout_s=600)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
     return jobs[world]
 
 
@@ -220,12 +304,28 @@ def test_pipeline_matches_one_process(jobs, item):
         torch.testing.assert_close(run["output"], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.parametrize("item", ALL, ids=lambda item: f"{item[0]}ranks-" + "-".join(item[1]))
+def test_every_step_runs_exactly_this_ranks_share_of_the_plan(jobs, item):
+    """Counted at run time (kind, axis, bytes), from the first step on: each stage layout's synchronisation
+    (FSDP2's all_gather and reduce_scatter, or one all_reduce), the tied embedding's sum, the loss's average."""
+    world, case = item
+    for rank, run in enumerate(_ok(_results(jobs, world), case)):
+        _check_counted(run, f"rank {rank} {case} on {world} ranks")
+
+
+def _check_counted(run, what):
+    assert run["planned_here"], what
+    for step, counted in enumerate(run["counted"]):
+        assert counted == run["planned_here"], f"{what}, step {step}: ran {counted}, planned {run['planned_here']}"
+
+
 def _check_layout(run, layout, what):
     """The plan names the stage layout and its collectives; a fully-sharded rank holds half its stage."""
     held, whole = run["held"]
     if layout == "fully_shard":
         assert run["strategy"] == "pipeline+fully_shard", f"{what}: {run['strategy']}"
-        assert {kind for kind, _, _ in run["planned"]} == {"all_gather", "reduce_scatter"}, f"{what}: {run['planned']}"
+        assert {kind for kind, axis, _ in run["planned"] if axis == "dp"} == {"all_gather", "reduce_scatter"}, \
+            f"{what}: {run['planned']}"
         assert abs(held - whole / 2) <= 0.05 * whole, f"{what}: holds {held} of its stage's {whole} parameter elements"
     else:
         assert run["strategy"] in ("pipeline", "pipeline+data_parallel") and held == whole, f"{what}: {run}"
@@ -241,7 +341,27 @@ def test_sharded_stages_accumulate_and_reload(jobs):
         support.assert_losses_close(run["losses"], ref_losses, what=what)
         support.assert_params_close(run["params"], ref_params, what=what)
         assert run["given"] == "pipeline+fully_shard", f"{what}: {run['given']}"
+        _check_counted(run, what)
         support.assert_params_close(run["reloaded"], ref_params, what=f"{what} (reloaded)")
+
+
+@pytest.mark.parametrize("item", [(w, c) for w in CHECKPOINTS for c in CHECKPOINTS[w]],
+                         ids=lambda item: f"{item[0]}ranks-" + "-".join(item[1]))
+def test_checkpoint_resumes_exactly_and_loads_without_a_pipeline(jobs, item):
+    """Each rank writes its stages (fully-sharded: its shards; a tied embedding's copies once); a fresh model
+    resumes bit for bit; the model without a pipeline loads the same checkpoint."""
+    world, case = item
+    for rank, run in enumerate(_ok(_results(jobs, world), ("checkpoint",) + case)):
+        what = f"rank {rank} {case} on {world} ranks"
+        assert run["extra"] == {"step": 1}, what
+        (losses, params), (resumed_losses, resumed_params) = run["uninterrupted"], run["resumed"]
+        assert resumed_losses == losses, f"{what}: {resumed_losses} vs {losses}"
+        for name, value in params.items():
+            torch.testing.assert_close(resumed_params[name], value, rtol=0, atol=0, msg=f"{what}: {name}")
+        assert set(run["loaded_without_pipeline"]) == set(run["after_first"]), what
+        for name, value in run["after_first"].items():
+            torch.testing.assert_close(run["loaded_without_pipeline"][name], value, rtol=0, atol=0,
+                                       msg=f"{what}, loaded without a pipeline: {name}")
 
 
 def test_auto_pipeline_matches_one_process(jobs):
@@ -262,6 +382,13 @@ def test_auto_keeps_the_faster_intra_op_plan(jobs):
         support.assert_params_close(run["params"], ref_params, what=f"rank {rank} pipeline='auto', intra-op")
 
 
+def test_model_train_resumes_mid_epoch(jobs):
+    uninterrupted = _ok(_results(jobs, 2), "trainer")
+    for rank, params in enumerate(_ok(_results(jobs, 2), "trainer_resume")):
+        for name, value in uninterrupted[rank]["params"].items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"rank {rank}: {name}")
+
+
 def test_model_train_uses_step(jobs):
     runs = _ok(_results(jobs, 2), "trainer")
     ref_losses, ref_params = _reference("gpt")
@@ -272,7 +399,6 @@ def test_model_train_uses_step(jobs):
         support.assert_params_close(run["params"], ref_params, what=f"rank {rank} Model.train")
         assert run["given"] == (True, 2), f"rank {rank}: a pipelined Plan passed as strategy= is followed"
         support.assert_params_close(run["reloaded"], ref_params, what=f"rank {rank} load_state_dict")
-        assert run["checkpoint"][0] == "AutoparError" and "not yet supported" in run["checkpoint"][1], run
 
 
 

@@ -38,7 +38,7 @@ def test_step_seconds_by_hand():
 def test_one_candidate_priced_by_hand():
     """Four equal blocks on 2 stages x 2 data-parallel ranks, GPipe, 2 micro-batches: the step is
     M · t + t (two ranks of equal time t per micro-batch: compute + the send forward and its gradient back)
-    + the all-reduce of a stage's gradients; memory is weights, gradients and Adam state plus the activations
+    + the all-reduce of a stage's gradients + the loss's all-reduce; memory is weights, gradients and Adam state plus the activations
     of both micro-batches."""
     with torch.device("meta"):
         model = StackedMLP(widths=(256,) * 4, dim=256, out=256)
@@ -55,7 +55,8 @@ def test_one_candidate_priced_by_hand():
     first, second = sum(per_layer[:2]) + 2 * send, sum(per_layer[2:])
     stage_bytes = [4 * (2 * (2 * 256 * 256 + 2 * 256) + 256 * 256 + 256)] * 2  # two blocks + the input layer / head
     sync = max(cost.collective_time("all_reduce", 0, b) for b in stage_bytes)
-    assert candidate.step_s == pytest.approx(2 * max(first, second) + min(first, second) + sync)
+    loss = cost.collective_time("all_reduce", 1, 4)  # the step's loss, averaged over every rank
+    assert candidate.step_s == pytest.approx(2 * max(first, second) + min(first, second) + sync + loss)
     assert [row.num_params * 4 for row in candidate.rows] == stage_bytes
     activations = [sum(measured.costs[u].activation_bytes for u in units) // 2
                    for units in (("pre", 0, 1), (2, 3, "post"))]

@@ -110,20 +110,23 @@ class UnitCost:
     activation_bytes: int = 0
     """Bytes of every non-view tensor the forward creates (an upper bound of what backward keeps)."""
     params: dict[str, tuple[int, int]] | None = None
-    """Qualified parameter name → (elements, bytes), for the parameters of the modules the unit calls or reads."""
+    """Qualified parameter name (a tied parameter's first) → (elements, bytes), for the parameters of the
+    modules the unit calls or reads."""
 
 
 def _unit_params(top: TopLevel, unit: dict) -> dict[object, dict[str, tuple[int, int]]]:
     root = top.graph_module
+    canonical = {id(p): n for n, p in root.named_parameters()}  # a tied parameter: its first name, wherever read
     found: dict[object, dict[str, tuple[int, int]]] = {}
     for node, where in unit.items():
         if node.op == "call_module":
-            named = {f"{node.target}.{n}": p for n, p in root.get_submodule(node.target).named_parameters()}
+            params = list(root.get_submodule(node.target).parameters())
         elif node.op == "get_attr" and isinstance(value := _attr(root, node.target), torch.nn.Parameter):
-            named = {node.target: value}
+            params = [value]
         else:
             continue
-        found.setdefault(where, {}).update({n: (p.numel(), p.numel() * p.element_size()) for n, p in named.items()})
+        found.setdefault(where, {}).update({canonical[id(p)]: (p.numel(), p.numel() * p.element_size())
+                                            for p in params})
     return found
 
 

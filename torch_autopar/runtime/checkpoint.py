@@ -4,8 +4,9 @@ A checkpoint is a directory that every rank can see (one machine, or a shared fi
 requires)::
 
     state/        DCP files: the model's and optimizer's tensors under the user's parameter names. Each rank
-                  writes only its own shards (the DTensor shards of a sharded plan); tensors every rank holds
-                  whole (data parallelism) are written once (DCP de-duplicates them)
+                  writes only its own shards (the DTensor shards of a sharded plan; a pipelined model's ranks
+                  their stages' tensors); tensors several ranks hold whole (data parallelism, a pipeline's
+                  replicas, a tied parameter's copies) are written once (DCP de-duplicates them)
     plain.json    the optimizer's other values (hyper-parameters per group), which DCP would pickle
     plan.json     the Plan the model ran (Plan.save), for the record and for ``autopar.Plan.load``
     params.json   every parameter's name, full shape and dtype, in order: checked before anything is loaded
@@ -58,7 +59,19 @@ def _barrier() -> None:
 
 
 def _module(pmodel: torch.nn.Module) -> torch.nn.Module:
+    """What this rank saves and loads: a compiled model's module, a pipelined model's stages on this rank."""
+    if _is_pipelined(pmodel):
+        return pmodel.checkpoint_module()
     return pmodel.module if isinstance(pmodel, ParallelModule) else pmodel
+
+
+def _whole_module(pmodel: torch.nn.Module) -> torch.nn.Module:
+    """The module whose parameters a checkpoint lists (every stage's, for a pipelined model)."""
+    return pmodel.whole_module if _is_pipelined(pmodel) else _module(pmodel)
+
+
+def _is_pipelined(pmodel) -> bool:
+    return getattr(pmodel, "pipeline_size", 1) > 1
 
 
 def save_checkpoint(path, pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **extra) -> None:
@@ -76,15 +89,8 @@ def load_checkpoint(path, pmodel: torch.nn.Module, optimizer: torch.optim.Optimi
     return extra
 
 
-def _refuse_pipelines(pmodel) -> None:
-    if getattr(pmodel, "pipeline_size", 1) > 1:
-        raise AutoparError("checkpoints of pipelined models (pipeline=N) are not yet supported; save "
-                           "pmodel.state_dict() (full tensors, every rank calls it) with torch.save instead.")
-
-
 def save(path, pmodel, optimizer, extra: dict, rank_state: dict | None = None) -> None:
     """``save_checkpoint`` plus ``rank_state``: this rank's own tensors and plain values (the trainer's)."""
-    _refuse_pipelines(pmodel)
     path = _normalise(path)
     rank, world = _world()
     _check_json(extra)
@@ -115,6 +121,7 @@ def _write_state(staging: str, pmodel, optimizer) -> None:
     kept as numbers) as JSON, because DCP would pickle it."""
     tensors, plain = split_tensors(_state(pmodel, optimizer))
     _check_json(plain, "the optimizer's non-tensor state")
+    plain = _with_every_ranks_parameters(plain)
     try:
         with _dcp_quietly():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(os.path.join(staging, "state")),
@@ -125,6 +132,20 @@ def _write_state(staging: str, pmodel, optimizer) -> None:
                            "or fix the path and save again.") from error
     if _world()[0] == 0:
         _write_json(os.path.join(staging, "plain.json"), plain)
+
+
+def _with_every_ranks_parameters(plain: dict) -> dict:
+    """``plain`` (written by rank 0) with each optimizer parameter group naming the parameters of every rank: a
+    pipelined model's ranks each hold their stages' (DCP's loader takes a group's hyper-parameters from the
+    saved group naming the parameter)."""
+    groups = plain.get("optimizer", {}).get("param_groups")
+    if not groups or not dist.is_initialized() or dist.get_world_size() == 1:
+        return plain
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [group["params"] for group in groups])
+    merged = [dict(group, params=list(dict.fromkeys(name for names in everyone for name in names[i])))
+              for i, group in enumerate(groups)]
+    return {**plain, "optimizer": {**plain["optimizer"], "param_groups": merged}}
 
 
 def split_tensors(tree: dict) -> tuple[dict, dict]:
@@ -181,15 +202,35 @@ def _state(pmodel, optimizer) -> dict:
     if optimizer is None:
         return {"model": get_model_state_dict(module, options=_OPTIONS)}
     swap_sharded_parameters(optimizer)
-    model_state, optimizer_state = get_state_dict(module, optimizer, options=_OPTIONS)
+    with _optimizer_over(optimizer, module, _is_pipelined(pmodel)):
+        model_state, optimizer_state = get_state_dict(module, optimizer, options=_OPTIONS)
     return {"model": model_state, "optimizer": optimizer_state}
+
+
+@contextlib.contextmanager
+def _optimizer_over(optimizer, module: torch.nn.Module, pipelined: bool):
+    """``optimizer`` seen holding only ``module``'s parameters: an optimizer built from a pipelined model's
+    ``parameters()`` before its first call holds every stage's, and steps only this rank's (the others get no
+    gradient here); the other ranks save and load theirs."""
+    if not pipelined:
+        yield
+        return
+    held = {id(p) for p in module.parameters()}
+    every = [group["params"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in held]
+    try:
+        yield
+    finally:  # optimizer.load_state_dict makes new group dicts: restore by position
+        for group, params in zip(optimizer.param_groups, every):
+            group["params"] = params
 
 
 def _write_metadata(staging: str, pmodel, extra: dict, world: int) -> None:
     plan = getattr(pmodel, "plan", None)
     if plan is not None:
         plan.save(os.path.join(staging, "plan.json"))
-    _write_json(os.path.join(staging, "params.json"), parameter_table(_module(pmodel)))
+    _write_json(os.path.join(staging, "params.json"), parameter_table(_whole_module(pmodel)))
     _write_json(os.path.join(staging, "meta.json"), {"version": FORMAT_VERSION, "world_size": world, "extra": extra})
 
 
@@ -205,7 +246,6 @@ def _commit(staging: str, path: str) -> None:
 
 def load(path, pmodel, optimizer) -> tuple[dict, dict]:
     """``load_checkpoint`` without restoring RNG states: returns (extra, this rank's state)."""
-    _refuse_pipelines(pmodel)
     found = find_checkpoint(path)
     if found is None:
         raise AutoparError(f"no checkpoint at {_normalise(path)!r} (expected a directory written by "
@@ -214,7 +254,7 @@ def load(path, pmodel, optimizer) -> tuple[dict, dict]:
     if meta.get("version") != FORMAT_VERSION:
         raise AutoparError(f"checkpoint format version {meta.get('version')!r} at {found!r} is not supported "
                            f"(expected {FORMAT_VERSION}); save it again with this version of torch_autopar.")
-    check_parameters(_read_json(os.path.join(found, "params.json")), parameter_table(_module(pmodel)), found)
+    check_parameters(_read_json(os.path.join(found, "params.json")), parameter_table(_whole_module(pmodel)), found)
     template = _state(pmodel, optimizer)
     tensors, _ = split_tensors(template)
     _read_tensors(found, tensors)
@@ -239,7 +279,8 @@ def _apply_state(pmodel, optimizer, state: dict) -> None:
     module = _module(pmodel)
     if optimizer is None:
         set_model_state_dict(module, state["model"], options=_OPTIONS)
-    else:
+        return
+    with _optimizer_over(optimizer, module, _is_pipelined(pmodel)):
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=_OPTIONS)
 

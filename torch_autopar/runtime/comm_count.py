@@ -29,13 +29,15 @@ class CountedCollective:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """``with CollectiveCounter(mesh) as counter: step()`` → ``counter.records`` / ``counter.summary()``."""
+    """``with CollectiveCounter(mesh) as counter: step()`` → ``counter.records`` / ``counter.summary()``.
+    ``groups``: axis name → process group, for groups outside a mesh (a pipeline's ``axis_groups``)."""
 
-    def __init__(self, mesh=None, axis_names=None):
+    def __init__(self, mesh=None, axis_names=None, groups: dict | None = None):
         super().__init__()
         self.records: list[CountedCollective] = []
         self._kinds = {packet: info for packet, info in _compat.collective_op_kinds().items()}
-        self._axes: dict[str, str] = {}
+        self._axes: dict[str, str] = {_compat.group_name(group): name for name, group in (groups or {}).items()
+                                      if group is not None}
         if mesh is not None:
             names = tuple(axis_names or mesh.mesh_dim_names or range(mesh.ndim))
             for axis in range(mesh.ndim):

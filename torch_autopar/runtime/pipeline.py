@@ -13,6 +13,9 @@ Fully-sharded stages (a plan of strategy "pipeline+fully_shard", dp > 1) run und
 (``runtime.stage_sharding``): the schedule's last backward reduce-scatters each stage's gradients (the mean over
 dp), the tied sum runs on those shards, ``parameters()`` are the shards the optimizer steps, and
 ``state_dict`` / ``load_state_dict`` gather / scatter full tensors.
+Each stage is given its micro-batch's input and output shapes (``StageShapes``, from fake copies of the stages), so
+torch's schedules skip their shape-inference forward: every step, the first included, runs exactly this rank's
+share of the plan's collectives (``search.pipeline.rank_collectives``).
 Must never plan (it runs the layout it is given) and never write a schedule of its own.
 """
 
@@ -31,7 +34,7 @@ from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime import stage_sharding
 from torch_autopar.runtime.modes import get_mode
 from torch_autopar.runtime.parallel_module import broadcast_module_state
-from torch_autopar.search.pipeline import stage_of_units
+from torch_autopar.search.pipeline import LOSS_BYTES, stage_of_units, tied_axis
 
 _SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
               "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B}
@@ -88,10 +91,10 @@ class PipelineModule(torch.nn.Module):
             raise AutoparError(f"a pipelined model takes positional inputs; found keywords {sorted(kwargs)}. "
                                "Pass them positionally.")
         if self.layout is None:
-            self._build(self._planner(self._user, tuple(args)))
+            self._build(self._planner(self._user, tuple(args)), tuple(args))
         return self.plan
 
-    def _build(self, layout) -> None:
+    def _build(self, layout, args: tuple) -> None:
         rank, world = _world()
         self.layout, plan = layout, layout.plan
         if tuple(plan.mesh_shape) != (self._dp, self._pp):
@@ -100,6 +103,7 @@ class PipelineModule(torch.nn.Module):
         self._mine = [s for s in range(count) if s % self._pp == self._p]
         graphs = split_stages(layout.top, layout.unit, stage_of_units(layout.cuts))
         self._graphs = graphs
+        self._stage_shapes = StageShapes(graphs, plan.microbatches)  # before sharding: of the whole parameters
         if world > 1:
             broadcast_module_state(self._user, None)  # every copy starts from rank 0's values, as DDP does
             self._pp_group = _new_groups([[d * self._pp + p for p in range(self._pp)] for d in range(self._dp)], rank)
@@ -113,11 +117,11 @@ class PipelineModule(torch.nn.Module):
             stage_sharding.apply_fully_shard(list(self.stages), self._dp_group)
         if world > 1:
             mine = {n: p for s in self._mine for n, p in graphs[s].named_parameters(remove_duplicate=False)}
-            self._tied = [([mine[n] for n in names], group) for names, group in tied]
+            self._tied = [(ranks, [mine[n] for n in names], group) for ranks, names, group in tied]
 
-    def _tied_groups(self, graphs, rank) -> list[tuple[list[str], object]]:
-        """For each set of pipeline ranks sharing parameters: (the names of this rank's copies, the group of
-        those ranks)."""
+    def _tied_groups(self, graphs, rank) -> list[tuple[tuple, list[str], object]]:
+        """For each set of pipeline ranks sharing parameters that holds this rank: (those pipeline ranks, the
+        names of this rank's copies, the group of those ranks in this replica)."""
         holders: dict[int, set[int]] = {}
         params: dict[int, torch.nn.Parameter] = {}
         for s, graph in enumerate(graphs):
@@ -133,18 +137,19 @@ class PipelineModule(torch.nn.Module):
         for ranks, members in sorted(shared.items()):
             group = _new_groups([[d * self._pp + p for p in ranks] for d in range(self._dp)], rank)
             if self._p in ranks:
-                tied.append(([name_of[id(p)] for p in members], group))
+                tied.append((ranks, [name_of[id(p)] for p in members], group))
         return tied
 
     def _schedule(self, args: tuple, targets, *, backward: bool = True):
         """The schedule for inputs of these shapes (PipelineStage fixes its buffers' shapes at its first step);
         without ``backward`` one with no loss, which runs forwards only."""
-        key = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-        key += (tuple(targets.shape) if isinstance(targets, torch.Tensor) else None, backward)
+        key = _shapes(args) + (tuple(targets.shape) if isinstance(targets, torch.Tensor) else None, backward)
         if key not in self._schedules:
             device = torch.device(launch.device_type())
             count, group = self.plan.pipeline_stages, getattr(self, "_pp_group", None)
-            stages = [pipelining.PipelineStage(module, s, count, device, group=group)
+            metas = self._stage_shapes(args)
+            stages = [pipelining.PipelineStage(module, s, count, device, input_args=metas[s][0],
+                                               output_args=metas[s][1], group=group)
                       for s, module in zip(self._mine, self.stages)]
             kind = _SCHEDULES[self.plan.schedule]
             target = stages if kind is pipelining.ScheduleInterleaved1F1B else stages[0]
@@ -164,6 +169,32 @@ class PipelineModule(torch.nn.Module):
     def module(self) -> torch.nn.Module:
         """This rank's stages (the user's whole module before the first call)."""
         return self.stages if self.stages is not None else self._user
+
+    @property
+    def whole_module(self) -> torch.nn.Module:
+        """The user's module: every stage's parameters under their names, with their full shapes."""
+        return self._user
+
+    def checkpoint_module(self) -> torch.nn.Module:
+        """This rank's stages as one module under the user's names (their parameters and buffers; a fully-sharded
+        stage's as FSDP2's DTensor shards): what this rank saves and loads (``runtime.checkpoint``)."""
+        if self.layout is None:
+            raise AutoparError("a pipelined model is cut into stages at its first call; found none yet. Call it "
+                               "(or pmodel.step) once, or compile it with example inputs, before checkpointing.")
+        holder = torch.nn.Module()
+        for s in self._mine:
+            _attach(holder, self._graphs[s], self._user, "")
+        return holder
+
+    @property
+    def axis_groups(self) -> dict:
+        """Plan axis name → this rank's process group on it (after the first call): "dp" (the ranks holding
+        the same stages), "pp" (this replica's pipeline), "dp+pp" (every rank), and one "tied" group per set of
+        pipeline ranks sharing parameters (``search.pipeline``'s names: "tied" + the stages' pipeline ranks)."""
+        if self.layout is None or not dist.is_initialized():
+            return {}
+        groups = {"dp": self._dp_group, "pp": self._pp_group, "dp+pp": dist.group.WORLD}
+        return groups | {tied_axis(ranks): group for ranks, _, group in self._tied}
 
     @property
     def data_parallel_rank(self) -> int:
@@ -238,7 +269,7 @@ class PipelineModule(torch.nn.Module):
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-            for members, group in getattr(self, "_tied", []):
+            for _, members, group in getattr(self, "_tied", []):
                 for p in members:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
@@ -253,6 +284,7 @@ class PipelineModule(torch.nn.Module):
     def _global_loss(self, losses) -> torch.Tensor:
         """Mean over micro-batches on the last stage, then over data-parallel replicas: one all-reduce."""
         local = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros(())
+        assert local.nbytes == LOSS_BYTES, local  # what the plan lists
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)
         return local / self.data_parallel_size
@@ -313,6 +345,63 @@ class PipelineModule(torch.nn.Module):
         result = stage_sharding.load_dense_state(self._user, state_dict, strict)
         stage_sharding.load_full_state([self._graphs[s] for s in self._mine], state_dict)
         return result
+
+
+def _attach(holder: torch.nn.Module, source: torch.nn.Module, user: torch.nn.Module, prefix: str) -> None:
+    """Put ``source``'s modules, parameters and buffers into ``holder`` under the same names: the user's own
+    modules as they are, the containers ``torch.fx`` made for a stage (holding only that stage's part of a
+    ``ModuleList``) merged with those of this rank's other stages."""
+    for name, child in source.named_children():
+        if name in holder._modules and holder._modules[name] is child:
+            continue
+        if _user_module(user, prefix + name) is child:
+            holder.add_module(name, child)
+            continue
+        if name not in holder._modules:
+            holder.add_module(name, torch.nn.Module())
+        _attach(holder._modules[name], child, user, f"{prefix}{name}.")
+    for name, param in source.named_parameters(recurse=False):
+        if name not in holder._parameters:
+            holder.register_parameter(name, param)
+    for name, buffer in source.named_buffers(recurse=False):
+        if name not in holder._buffers:
+            holder.register_buffer(name, buffer, persistent=_compat.is_persistent_buffer(source, name))
+
+
+def _user_module(user: torch.nn.Module, path: str):
+    try:
+        return user.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _shapes(args: tuple) -> tuple:
+    return tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+
+
+class StageShapes:
+    """Each stage's (inputs, outputs) for one micro-batch of given inputs, as fake tensors: the stages' fake
+    copies (whole parameters, taken before any sharding) run on fake tensors, so nothing is computed and no
+    collective runs. Given to ``PipelineStage``, they spare a schedule's first step torch's shape inference (a
+    real forward of each stage, which would gather fully-sharded stages once more than the plan says, and
+    pickled metadata sent between the ranks)."""
+
+    def __init__(self, graphs: list[torch.fx.GraphModule], microbatches: int):
+        self._fake = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+        self._graphs = [_compat.fake_copy(graph, self._fake) for graph in graphs]
+        self._microbatches = microbatches
+
+    def __call__(self, args: tuple) -> list[tuple]:
+        metas = []
+        with self._fake:
+            values = tuple(self._fake.from_tensor(a.chunk(self._microbatches)[0]) if isinstance(a, torch.Tensor)
+                           else a for a in args)
+            for graph in self._graphs:
+                outputs = graph(*values)
+                outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+                metas.append((tuple(v for v in values if isinstance(v, torch.Tensor)), outputs))
+                values = outputs
+        return metas
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:

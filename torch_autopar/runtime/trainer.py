@@ -155,9 +155,9 @@ class Model:
                                "integers (checkpoint_every may be None: save only at the end).")
         if checkpoint_every is not None and checkpoint_dir is None:
             raise AutoparError("checkpoint_every needs checkpoint_dir=: the directory to save checkpoints in.")
-        if isinstance(self.network, PipelineModule) and (clip_grad_norm is not None or checkpoint_dir is not None):
-            raise AutoparError("clip_grad_norm= and checkpoint_dir= are not yet supported for pipelined models; "
-                               f"found clip_grad_norm={clip_grad_norm}, checkpoint_dir={checkpoint_dir!r}. Drop them.")
+        if isinstance(self.network, PipelineModule) and clip_grad_norm is not None:
+            raise AutoparError(f"clip_grad_norm= is not yet supported for pipelined models; found clip_grad_norm="
+                               f"{clip_grad_norm}. Drop it, or compile without pipeline=.")
         rank, world = self._data_rank()
         feed = make_feed(dataset, batch_size, rank, world, shuffle=shuffle, seed=seed, num_workers=num_workers,
                          pin_memory=pin_memory)

@@ -17,7 +17,8 @@ The search, Alpa's inter-op formulation with one sub-mesh of world / p ranks per
   objective   step = M · max_r t_r + (Σ_r t_r − max_r t_r) / v + max_r sync_r, where t_r is pipeline rank r's
               time per micro-batch (its stages' forward + backward compute plus the activation sends and their
               gradients to the next stage, point-to-point over the cost model's pipeline link) and sync_r its
-              stages' gradient synchronisation (and gathers) once per step; v = 1 gives Alpa's
+              stages' gradient synchronisation (and gathers) and its tied-parameter sums once per step, plus the
+              loss's all-reduce; v = 1 gives Alpa's
               Σ stage times + (M − 1) × slowest stage (``step_seconds``)
   constraint  memory of every pipeline rank <= the budget: its stages' parameters, gradients and Adam state in
               the stage layout plus the activations of the micro-batches in flight (GPipe: M; 1F1B and
@@ -60,6 +61,8 @@ VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 """Stages per pipeline rank: the interleaved schedule runs two stages (chunks) on each rank."""
 BACKWARD_FLOPS = 2
 """Backward FLOPs per forward FLOP (gradients for the activations and for the weights)."""
+LOSS_BYTES = 4
+"""A pipelined step's loss, averaged over every rank once per step (one fp32 scalar: ``runtime.pipeline``)."""
 STAGE_LAYOUTS = ("data_parallel", "fully_shard")
 """Layouts of a stage over its data-parallel ranks, both run by ``runtime.pipeline`` ("fully_shard" through
 FSDP2: ``runtime.stage_sharding``)."""
@@ -332,15 +335,54 @@ def _stage_memory(param_bytes: int, activations: float, layout: str, dp: int) ->
 
 
 def _stage_sync(param_bytes: int, layout: str, cost_model: CostModel, where: str) -> list[PlannedCollective]:
-    """A stage's collectives over its data-parallel ranks (mesh axis 0) once per step: "fully_shard" one
+    """Collectives over the data-parallel ranks (mesh axis 0) once per step: for a "fully_shard" stage one
     all_gather (the first micro-batch's forward; kept for the step) and one reduce_scatter (after the last
-    backward), as FSDP2 runs one unit per stage; "data_parallel" one all_reduce."""
+    backward), as FSDP2 runs one unit per stage; for a pipeline rank's "data_parallel" stages one all_reduce of
+    all their gradients (``runtime.pipeline`` reduces a rank's gradients in one flat buffer)."""
     if cost_model.mesh_shape[0] == 1 or param_bytes == 0:
         return []
     kinds = [("all_gather", "forward"), ("reduce_scatter", "grad_sync")] if layout == "fully_shard" else \
         [("all_reduce", "grad_sync")]
     return [PlannedCollective(kind=kind, axis="dp", nbytes=param_bytes, phase=phase, where=where,
                               seconds=cost_model.collective_time(kind, 0, param_bytes)) for kind, phase in kinds]
+
+
+def tied_axis(pipeline_ranks) -> str:
+    """The plan's axis name of the group of pipeline ranks that hold copies of the same parameters."""
+    return "tied" + ",".join(map(str, pipeline_ranks))
+
+
+def rank_collectives(plan: Plan, pipeline_rank: int) -> list[PlannedCollective]:
+    """The collectives (sends excluded) that pipeline rank ``pipeline_rank`` of every replica runs per step: its
+    stages' synchronisation, the tied-parameter sums it takes part in, and the loss's average."""
+    ranks = plan.mesh_shape[1]
+
+    def runs_here(c: PlannedCollective) -> bool:
+        if c.axis.startswith("tied"):
+            return str(pipeline_rank) in c.axis.removeprefix("tied").split(",")
+        stages = [int(w.removeprefix("stage")) for w in c.where.split(",") if w.startswith("stage")]
+        return c.where == "loss" or any(s % ranks == pipeline_rank for s in stages)
+
+    return [c for c in plan.collectives if c.kind != "send" and runs_here(c)]
+
+
+def _tied_sync(stages: list, ranks: int, layout: str, dp: int, cost_model: CostModel) -> list[PlannedCollective]:
+    """Per set of pipeline ranks holding the same parameter (an embedding tied to the output head): one
+    all_reduce summing their copies' gradients (of the shards, 1/dp each, when fully sharded)."""
+    holders: dict[str, set[int]] = {}
+    nbytes: dict[str, int] = {}
+    for s, stage in enumerate(stages):
+        for name, (_, size) in stage.params.items():
+            holders.setdefault(name, set()).add(s % ranks)
+            nbytes[name] = size // dp if layout == "fully_shard" else size
+    shared: dict[tuple, int] = {}
+    for name, held in holders.items():
+        if len(held) > 1:
+            key = tuple(sorted(held))
+            shared[key] = shared.get(key, 0) + nbytes[name]
+    return [PlannedCollective(kind="all_reduce", axis=tied_axis(key), nbytes=size, phase="grad_sync",
+                              where=tied_axis(key), seconds=cost_model.collective_time("all_reduce", 1, size))
+            for key, size in sorted(shared.items())]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -377,6 +419,12 @@ def _sends(nbytes: int, s: int, microbatches: int, cost_model: CostModel) -> lis
             for phase in ("forward", "backward")]
 
 
+def _loss_reduce(cost_model: CostModel) -> PlannedCollective:
+    """The step's loss, averaged over every rank (the last stages' micro-batch means, zeros elsewhere)."""
+    return PlannedCollective(kind="all_reduce", axis="dp+pp", nbytes=LOSS_BYTES, phase="forward", where="loss",
+                             seconds=cost_model.collective_time("all_reduce", 1, LOSS_BYTES))
+
+
 def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, layout: str, cuts: list[int],
           world_size: int, global_batch: int, hardware: HardwareProfile) -> Candidate:
     """Step time and per-rank memory of one point (the objective and constraint of the module docstring)."""
@@ -389,14 +437,16 @@ def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, l
                        global_batch=global_batch, world_size=world_size)
     compute, sends, sync = [0.0] * ranks, [0.0] * ranks, [0.0] * ranks
     memory: list[dict[str, int]] = [{} for _ in range(ranks)]
-    for s, stage in enumerate(_stages(measured, cuts, names)):
+    stages = _stages(measured, cuts, names)
+    for s, stage in enumerate(stages):
         rank, stage_compute = s % ranks, sum(per_layer[cuts[s]:cuts[s + 1]])
         in_flight = microbatches if schedule == "gpipe" else min(microbatches, ranks - rank)
         stage_memory = _stage_memory(stage.param_bytes, stage.activation_bytes * scale * in_flight / microbatches,
                                      layout, dp)
         memory[rank] = {k: memory[rank].get(k, 0) + v for k, v in stage_memory.items()}
         moves = _sends(int(measured.crossing[cuts[s + 1]] * scale / microbatches), s, microbatches, cost_model)
-        moves += _stage_sync(stage.param_bytes, layout, cost_model, f"stage{s}")
+        if layout == "fully_shard":
+            moves += _stage_sync(stage.param_bytes, layout, cost_model, f"stage{s}")
         compute[rank] += stage_compute
         sends[rank] += sum(c.seconds for c in moves if c.kind == "send")
         sync[rank] += sum(c.seconds for c in moves if c.kind != "send")
@@ -404,8 +454,20 @@ def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, l
         result.rows.append(StageRow(index=s, layers=[n for u in stage.units for n in names[u]],
                                     num_params=sum(numel for numel, _ in stage.params.values()),
                                     compute_s=stage_compute * microbatches, memory_bytes=sum(stage_memory.values())))
+    for rank in range(ranks) if layout == "data_parallel" else ():
+        held = {name: size for s in range(rank, len(stages), ranks) for name, (_, size) in stages[s].params.items()}
+        moves = _stage_sync(sum(held.values()), layout, cost_model,
+                            ",".join(f"stage{s}" for s in range(rank, len(stages), ranks)))
+        sync[rank] += sum(c.seconds for c in moves)
+        result.collectives += moves
+    for move in _tied_sync(stages, ranks, layout, dp, cost_model):
+        for rank in map(int, move.axis.removeprefix("tied").split(",")):
+            sync[rank] += move.seconds
+        result.collectives.append(move)
     result.compute_s = step_seconds(compute, microbatches, schedule)
-    result.step_s = step_seconds([c + s for c, s in zip(compute, sends)], microbatches, schedule) + max(sync)
+    result.collectives.append(_loss_reduce(cost_model))
+    result.step_s = step_seconds([c + s for c, s in zip(compute, sends)], microbatches, schedule) + max(sync) + \
+        result.collectives[-1].seconds
     result.memory_breakdown = max(memory, key=lambda m: sum(m.values()))
     result.peak_memory = sum(result.memory_breakdown.values())
     return result
