@@ -1,25 +1,34 @@
-"""Pipeline step time on 2 gloo ranks: pp=2 GPipe and 1F1B vs data parallelism, GPT, and the bubble.
+"""Pipeline step time on 2 gloo ranks: pp=2 under every schedule vs data parallelism, GPT, and the bubble.
 
 Each variant trains the same GPT (GPT-2 init) on the same global batch; the timing alternates variants in
 rounds (median over rounds of the mean step). Measured bubble = 1 - T_one / (P x T_pp): the share of the P
-ranks' time not spent on the one-process step's compute (idle at the pipeline's ends, plus sends and the
-imbalance between stages); predicted = (P - 1) / (M + P - 1).
+ranks' time not spent on the one-process step's compute (idle at the pipeline's ends, plus sends, the
+imbalance between stages and the schedule's own overhead); predicted: ``plan.bubble_fraction``
+((P - 1) / (d M + P - 1), ``search.pipeline``).
 
-    python bench/bench_pipeline.py [--rounds 5] [--steps 4] [--microbatches 4]
+    python bench/bench_pipeline.py [--rounds 5] [--steps 4] [--microbatches 4]   # writes results/pipeline.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
+import os
 import statistics
+import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch_autopar as autopar
-from torch_autopar.testing import run_on_ranks
-from torch_autopar.testing.models import GPT, GPTConfig, gpt2_init, gpt_loss
+import torch  # noqa: E402
+
+import torch_autopar as autopar  # noqa: E402
+from bench.provenance import code_state, write_report  # noqa: E402
+from torch_autopar.search.pipeline import SCHEDULES  # noqa: E402
+from torch_autopar.testing import run_on_ranks  # noqa: E402
+from torch_autopar.testing.models import GPT, GPTConfig, gpt2_init, gpt_loss  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline.json")
 
 CONFIG = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128)
 BATCH, SEQ = 16, 64
@@ -97,16 +106,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
-    names = ("data_parallel", "gpipe", "1f1b")
+    started, load_before = time.perf_counter(), os.getloadavg()
+    names = ("data_parallel",) + SCHEDULES
     results = run_on_ranks(_worker, 2, names, args.rounds, args.steps, args.microbatches, timeout_s=900)
     one = _one_process(args.rounds, args.steps)
     times = {name: max(r["times"][name] for r in results) for name in names}
-    report = {"one_process_s": one, "step_s": times, "microbatches": args.microbatches,
-              "bubble": {name: {"predicted": results[0]["plans"][name][0],
-                                "measured": 1 - one / (2 * times[name])} for name in ("gpipe", "1f1b")},
-              "estimated_step_s": {name: results[0]["plans"][name][1] for name in ("gpipe", "1f1b")},
-              "load_average": list(__import__("os").getloadavg())}
-    print(json.dumps(report, indent=1))
+    report = {"command": "python bench/bench_pipeline.py " + " ".join(sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "code": code_state(), "one_process_s": one, "step_s": times,
+              "microbatches": args.microbatches,
+              "bubble": {name: {"predicted": results[0]["plans"][name][0], "measured": 1 - one / (2 * times[name])}
+                         for name in SCHEDULES},
+              "estimated_step_s": {name: results[0]["plans"][name][1] for name in SCHEDULES}}
+    print(f"2 gloo ranks, GPT {CONFIG.n_layer} x {CONFIG.n_embd}, {BATCH} x {SEQ} tokens, M = {args.microbatches}; "
+          f"one process {one * 1e3:.1f} ms")
+    print(f"{'variant':<18}{'step ms':>9}{'vs dp':>7}{'bubble predicted':>18}{'measured':>10}{'estimated ms':>14}")
+    for name in names:
+        bubble = report["bubble"].get(name)
+        columns = f"{bubble['predicted']:>18.2f}{bubble['measured']:>10.2f}" if bubble else " " * 28
+        estimate = report["estimated_step_s"].get(name)
+        print(f"{name:<18}{times[name] * 1e3:>9.1f}{times[name] / times['data_parallel']:>7.2f}{columns}"
+              + (f"{estimate * 1e3:>14.2f}" if estimate else ""))
+    report["wall_s"] = time.perf_counter() - started
+    report["machine"] = {"loadavg_after": os.getloadavg(), "cpus": os.cpu_count()}
+    write_report(report, RESULTS, load_before)
 
 
 if __name__ == "__main__":

@@ -383,7 +383,7 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     as ``strategy`` carries its own.
     pipeline: None, or N pipeline stages (ranks laid out as world/N data-parallel x N pipeline; cut between the
     layers of the model's nn.ModuleList); microbatches: per rank and step (None: 2N if it divides the batch, else
-    N); schedule: "gpipe" | "1f1b" (default) | "interleaved_1f1b"; loss_fn(output, target): what
+    N); schedule: "gpipe" | "1f1b" (default) | "interleaved_1f1b" | "zero_bubble"; loss_fn(output, target): what
     ``pmodel.step(inputs, targets)`` minimises (a pipelined model computes the loss inside the schedule).
     mixed_precision: None, "bf16", "fp16" or autopar.MixedPrecision(param_dtype=, reduce_dtype=, output_dtype=)
     (runtime.precision): fp32 master parameters and optimizer state, forward and backward in param_dtype,

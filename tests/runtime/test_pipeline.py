@@ -1,7 +1,7 @@
 """Pipelined models (pipeline=2) on 2 gloo ranks (pp=2) and 4 ranks (dp=2 x pp=2) equal a one-process run:
 losses (1e-5 relative) and full parameters (rtol 1e-4, atol 1e-5) after 3 AdamW steps with ``pmodel.step``,
 for the GPT (embedding tied to the output head across the two stages) and an MLP of identical blocks, GPipe and
-1F1B, eager and graph mode, and the MLP under pipeline="auto"; on 4 ranks also with fully-sharded stages
+1F1B, eager and graph mode (the MLP also interleaved 1F1B and zero-bubble), and the MLP under pipeline="auto"; on 4 ranks also with fully-sharded stages
 (strategy="fully_shard": FSDP2 over each stage's 2 data-parallel ranks, each rank holding half of its stage's
 parameters; interleaved 1F1B too), one of them accumulating two half-batches per step and reloaded from its full state_dict;
 every step runs exactly its rank's share of the plan's collectives (counted); ``save_checkpoint`` /
@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 import torch_autopar as autopar
 from torch_autopar.cost import Link, get_profile
 from torch_autopar.runtime.comm_count import CollectiveCounter
-from torch_autopar.search.pipeline import rank_collectives
+from torch_autopar.search.pipeline import VIRTUAL_STAGES, rank_collectives
 from torch_autopar.testing import run_on_ranks
 from tests import support
 
@@ -38,7 +38,8 @@ SLOW_LINK = dataclasses.replace(get_profile("cpu-gloo"), name="cpu-gloo-slow-lin
 
 CASES = {
     2: [(model, schedule, mode) for model in ("gpt", "blocks") for schedule in ("gpipe", "1f1b")
-        for mode in ("eager", "graph")] + [("blocks", "interleaved_1f1b", "eager")],
+        for mode in ("eager", "graph")] + [("blocks", "interleaved_1f1b", "eager"), ("blocks", "zero_bubble", "eager"),
+                                           ("blocks", "zero_bubble", "graph")],
     4: [("gpt", "gpipe", "eager"), ("gpt", "1f1b", "graph"), ("blocks", "1f1b", "eager"),
         ("blocks", "gpipe", "graph"), ("gpt", "gpipe", "eager", "fully_shard"),
         ("gpt", "1f1b", "graph", "fully_shard"), ("blocks", "1f1b", "eager", "fully_shard"),
@@ -292,7 +293,7 @@ def test_pipeline_matches_one_process(jobs, item):
     for rank, run in enumerate(runs):
         what = f"rank {rank} {case} on {world} ranks"
         assert run["dp"] == (rank // 2, world // 2), what
-        assert run["plan"][0] == (4 if case[1] == "interleaved_1f1b" else 2) and run["plan"][2] == case[1], what
+        assert run["plan"][0] == 2 * VIRTUAL_STAGES[case[1]] and run["plan"][2] == case[1], what
         _check_layout(run, case[3] if len(case) > 3 else "data_parallel", what)
         support.assert_losses_close(run["losses"], ref_losses, what=what)
         support.assert_params_close(run["params"], ref_params, what=what)

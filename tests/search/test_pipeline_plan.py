@@ -85,7 +85,7 @@ def test_plans_without_pipeline_and_old_files(tmp_path):
     (dict(mesh_shape=(3,), pipeline=2), r"pipeline=2 must divide the 3 ranks"),
     (dict(mesh_shape=(4,), pipeline=4), r"needs 4 stages of at least one layer each; the model has 2 layers"),
     (dict(mesh_shape=(2,), pipeline=2, microbatches=3), r"microbatches=3 must divide each rank's batch"),
-    (dict(mesh_shape=(2,), pipeline=2, schedule="zero_bubble"), r"schedule='zero_bubble': expected one of"),
+    (dict(mesh_shape=(2,), pipeline=2, schedule="dualpipe"), r"schedule='dualpipe': expected one of"),
     (dict(mesh_shape=(2,), microbatches=2), r"apply to pipelined models; found pipeline=None"),
     (dict(mesh_shape=(2,), pipeline=2, strategy="tensor_parallel"), r"stages run whole"),
 ])

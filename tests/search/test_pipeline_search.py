@@ -31,6 +31,8 @@ def test_step_seconds_by_hand():
     assert pipelining.step_seconds([1.0, 1.0], 4, "interleaved_1f1b") == pytest.approx(4 + 1 / 2)
     # fewer micro-batches than pipeline ranks: one micro-batch's path is critical, interleaving saves nothing
     assert pipelining.step_seconds([1.0, 1.0, 1.0], 2, "interleaved_1f1b") == pytest.approx(2 + 2)
+    assert pipelining.step_seconds([1.0, 1.0], 4, "zero_bubble") == pytest.approx(4 + 1 / 6)  # ZB-H1: a third
+    assert pipelining.bubble_fraction(2, 4, "zero_bubble") == pytest.approx(1 / (6 * 4 + 1))
     assert pipelining.bubble_fraction(3, 2, "interleaved_1f1b") == pytest.approx(2 / 4)
     assert not pipelining.runs_with("1f1b", 2, 4) and pipelining.runs_with("gpipe", 1, 4)
 
@@ -120,6 +122,23 @@ def test_given_microbatches_and_schedule_bound_the_search(bound):
     assert found and {(c.schedule, c.microbatches) for c in found} == {("gpipe", 2)}
     assert {c.ranks for c in found} == {16}  # 4 replicas of 2 sequences: the only size whose replicas hold 2
     assert {c.layout for c in found} == set(pipelining.STAGE_LAYOUTS)
+
+
+def test_zero_bubble_runs_when_asked_and_is_not_searched(bound):
+    """Its estimate is the lowest, its measured step the slowest on CPU (``SEARCHED_SCHEDULES``): "auto" leaves
+    it out; asked for, it is priced."""
+    model, tokens = bound
+    measured = pipelining.measure(model, (tokens,), 8)
+    hardware = get_profile("h100")
+    searched = pipelining.search(measured, pipelining.check_options("auto", None, None, 64), world_size=64,
+                                 global_batch=8, hardware=hardware)
+    assert searched and {c.schedule for c in searched} <= set(pipelining.SEARCHED_SCHEDULES) - {"zero_bubble"}
+    asked = pipelining.search(measured, pipelining.check_options("auto", 4, "zero_bubble", 16), world_size=16,
+                              global_batch=8, hardware=hardware)
+    interleaved = pipelining.search(measured, pipelining.check_options("auto", 4, "interleaved_1f1b", 16),
+                                    world_size=16, global_batch=8, hardware=hardware)
+    assert asked and {c.schedule for c in asked} == {"zero_bubble"}
+    assert min(c.step_s for c in asked) < min(c.step_s for c in interleaved)
 
 
 @pytest.mark.parametrize("kwargs,pattern", [

@@ -1,7 +1,7 @@
 """``PipelineModule``: a model cut into pipeline stages (``search.pipeline``), run by ``torch.distributed.pipelining``.
 
 Ranks form a (data-parallel, pipeline) mesh, row-major: rank = d * P + p holds pipeline rank p of replica d
-(stages p, p + P, ... of the plan: one stage each, two under the interleaved schedule). The ranks of one
+(stages p, p + P, ... of the plan: one stage each, two under the interleaved schedules). The ranks of one
 pipeline pass the same batch (``data_parallel_rank``: d); each replica passes its slice of the global batch.
 A step: ``PipelineStage`` + the chosen ``Schedule*`` run forward and backward over the micro-batches (activations
 sent between stages by the schedule), then this rank's fresh gradients are scaled to the mean over micro-batches,
@@ -37,7 +37,8 @@ from torch_autopar.runtime.parallel_module import broadcast_module_state
 from torch_autopar.search.pipeline import LOSS_BYTES, stage_of_units, tied_axis
 
 _SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
-              "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B}
+              "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
+              "zero_bubble": pipelining.ScheduleInterleavedZeroBubble}
 
 
 class _CompiledStage(torch.nn.Module):
@@ -152,7 +153,7 @@ class PipelineModule(torch.nn.Module):
                                                output_args=metas[s][1], group=group)
                       for s, module in zip(self._mine, self.stages)]
             kind = _SCHEDULES[self.plan.schedule]
-            target = stages if kind is pipelining.ScheduleInterleaved1F1B else stages[0]
+            target = stages if len(self._mine) > 1 else stages[0]  # a multi-stage schedule takes the list
             self._schedules[key] = kind(target, n_microbatches=self.plan.microbatches,
                                         loss_fn=self._loss if backward else None, scale_grads=False)
         return self._schedules[key]

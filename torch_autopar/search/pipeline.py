@@ -10,19 +10,20 @@ stages, with cuts inside a block, is a later step.
 
 The search, Alpa's inter-op formulation with one sub-mesh of world / p ranks per pipeline rank:
   variables   p pipeline ranks (p divides the world, world / p divides the global batch), the schedule (v stages
-              per rank: 1, or 2 for interleaved 1F1B), cuts 0 = c_0 < ... < c_{pv} = L between the L layers,
+              per rank: 1, or 2 for interleaved 1F1B and zero-bubble), cuts 0 = c_0 < ... < c_{pv} = L between
+              the L layers,
               M micro-batches (M divides a replica's batch; torch's schedules' own limits: 1F1B needs M >= p),
               and the layout inside each stage over its world / p ranks ("data_parallel": whole stage, gradients
               all-reduced; "fully_shard": parameters, gradients and Adam state sharded, gathered for the step)
-  objective   step = M · max_r t_r + (Σ_r t_r − max_r t_r) / v + max_r sync_r, where t_r is pipeline rank r's
+  objective   step = M · max_r t_r + (Σ_r t_r − max_r t_r) / d + max_r sync_r, where t_r is pipeline rank r's
               time per micro-batch (its stages' forward + backward compute plus the activation sends and their
               gradients to the next stage, point-to-point over the cost model's pipeline link) and sync_r its
               stages' gradient synchronisation (and gathers) and its tied-parameter sums once per step, plus the
-              loss's all-reduce; v = 1 gives Alpa's
+              loss's all-reduce; d = v (3v for zero-bubble: ``BUBBLE_SHRINK``); d = 1 gives Alpa's
               Σ stage times + (M − 1) × slowest stage (``step_seconds``)
   constraint  memory of every pipeline rank <= the budget: its stages' parameters, gradients and Adam state in
-              the stage layout plus the activations of the micro-batches in flight (GPipe: M; 1F1B and
-              interleaved: min(M, p − r)) (``price``)
+              the stage layout plus the activations of the micro-batches in flight (GPipe: M; 1F1B,
+              interleaved and zero-bubble: min(M, p − r)) (``price``)
   cuts        for a stage count, the balanced partition of layer compute (``balanced_cuts``):
               best[s][j] = min_{i<j} max(best[s-1][i], C[j] - C[i]), C the prefix sums of layer costs
               (ties broken by the next-largest stage): with p, v, M fixed, Σ_r t_r hardly depends on the cuts,
@@ -56,9 +57,20 @@ from torch_autopar.search.estimate import ADAM_STATE_PER_PARAM
 from torch_autopar.search.explain import _bytes
 from torch_autopar.search.plan import Plan, PlannedCollective, StageRow
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
-"""Stages per pipeline rank: the interleaved schedule runs two stages (chunks) on each rank."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+"""Stages per pipeline rank: the interleaved schedules run two stages (chunks) on each rank."""
+SEARCHED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+"""What ``pipeline="auto"`` chooses from. Zero-bubble runs when asked but is not searched: its split backward
+(input gradients, then weight gradients in a second pass) costs per micro-batch what the bubble model does not
+price, and measured slower than every other schedule on 2 CPU ranks (``bench/bench_pipeline.py``: 1.23x
+interleaved 1F1B's step at M = 4, 1.42x at M = 8) while its estimate is the lowest."""
+BUBBLE_SHRINK = {"zero_bubble": 3}
+"""How much smaller a schedule makes 1F1B's bubble besides interleaving. Zero-bubble (torch's
+``ScheduleInterleavedZeroBubble``, ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism", 2023) splits each
+backward into its input-gradient (B) and weight-gradient (W) parts and fills the idle time with W: 1F1B's
+(p - 1)(F + B + W) becomes (p - 1)(F + B - 2W), a third of it with B = W = F (backward = 2 x forward, as
+``BACKWARD_FLOPS`` prices it), at 1F1B's activation memory."""
 BACKWARD_FLOPS = 2
 """Backward FLOPs per forward FLOP (gradients for the activations and for the weights)."""
 LOSS_BYTES = 4
@@ -127,11 +139,11 @@ def choose_microbatches(options: PipelineOptions, local_batch: int) -> int:
 
 
 def runs_with(schedule: str, microbatches: int, ranks: int) -> bool:
-    """torch's own limits: 1F1B needs at least as many micro-batches as stages; interleaved 1F1B runs
+    """torch's own limits: 1F1B needs at least as many micro-batches as stages; the interleaved schedules run
     max(1, M // p) rounds of equal size."""
     if schedule == "1f1b":
         return microbatches >= ranks
-    if schedule == "interleaved_1f1b":
+    if VIRTUAL_STAGES[schedule] > 1:
         return microbatches % max(1, microbatches // ranks) == 0
     return True
 
@@ -168,23 +180,25 @@ def balanced_cuts(costs: list[float], stages: int) -> list[int]:
     return cuts[::-1]
 
 
-def _interleaving(schedule: str, microbatches: int, ranks: int) -> int:
-    """v, the bubble's divisor: stages per rank when every rank has a micro-batch per chunk to switch to
-    (M >= p); with fewer, one micro-batch's path through all the stages is the critical one, as without chunks."""
-    return VIRTUAL_STAGES[schedule] if microbatches >= ranks else 1
+def _bubble_divisor(schedule: str, microbatches: int, ranks: int) -> int:
+    """d = v x the schedule's own shrink (``BUBBLE_SHRINK``), v the stages per rank when every rank has a
+    micro-batch per chunk to switch to (M >= p); with fewer, one micro-batch's path through all the stages is
+    the critical one, as without chunks."""
+    virtual = VIRTUAL_STAGES[schedule] if microbatches >= ranks else 1
+    return virtual * BUBBLE_SHRINK.get(schedule, 1)
 
 
 def bubble_fraction(ranks: int, microbatches: int, schedule: str) -> float:
-    """Predicted idle share of a step: (p - 1) / (v·M + p - 1) with p pipeline ranks and v stages per rank
-    (v = 1 for GPipe and 1F1B; the interleaved schedule's v = 2 shrinks the bubble when M >= p)."""
-    virtual = _interleaving(schedule, microbatches, ranks)
-    return (ranks - 1) / (virtual * microbatches + ranks - 1)
+    """Predicted idle share of a step: (p - 1) / (d·M + p - 1) with p pipeline ranks (d = 1 for GPipe and 1F1B;
+    the interleaved schedule's 2 and zero-bubble's 6 shrink the bubble when M >= p: ``_bubble_divisor``)."""
+    return (ranks - 1) / (_bubble_divisor(schedule, microbatches, ranks) * microbatches + ranks - 1)
 
 
 def step_seconds(per_rank: list[float], microbatches: int, schedule: str) -> float:
-    """Seconds of the schedule given each pipeline rank's time per micro-batch: M · slowest + (the others) / v."""
+    """Seconds of the schedule given each pipeline rank's time per micro-batch: M · slowest + (the others) / d."""
     slowest = max(per_rank)
-    return microbatches * slowest + (sum(per_rank) - slowest) / _interleaving(schedule, microbatches, len(per_rank))
+    return microbatches * slowest + (sum(per_rank) - slowest) / _bubble_divisor(schedule, microbatches,
+                                                                                  len(per_rank))
 
 
 # measuring ---------------------------------------------------------------------------------------------------------
@@ -488,7 +502,7 @@ def search(measured: Measured, options: PipelineOptions, *, world_size: int, glo
         if global_batch % dp:
             continue
         replica = global_batch // dp
-        for schedule in [options.schedule] if options.schedule else SCHEDULES:
+        for schedule in [options.schedule] if options.schedule else SEARCHED_SCHEDULES:
             stages = ranks * VIRTUAL_STAGES[schedule]
             if stages > measured.num_layers:
                 continue

@@ -137,7 +137,7 @@ class Plan:
     microbatches: int = 1
     """Micro-batches each rank's batch is cut into per step (pipelined plans)."""
     schedule: str | None = None
-    """The pipeline schedule ("gpipe", "1f1b", "interleaved_1f1b"); None when not pipelined."""
+    """The pipeline schedule ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"); None when not pipelined."""
     stages: list[StageRow] = field(default_factory=list)
     bubble_fraction: float = 0.0
     """Predicted share of a step each stage idles: (stages - 1) / (microbatches + stages - 1) for GPipe/1F1B."""
