@@ -6,7 +6,7 @@ for the GPT (embedding tied to the output head across the two stages) and an MLP
 parameters; interleaved 1F1B too), one of them accumulating two half-batches per step and reloaded from its full state_dict;
 every step runs exactly its rank's share of the plan's collectives (counted); ``save_checkpoint`` /
 ``load_checkpoint`` resume bit for bit (tied, fully-sharded and interleaved stages) and load into the model without
-a pipeline; ``autopar.Model.train`` drives
+a pipeline; ``pmodel.clip_grad_norm_`` clips by the whole model's norm; ``autopar.Model.train`` drives
 ``step``; ``state_dict`` gathers the whole model; bad inputs fail with
 torch_autopar errors before any collective.
 
@@ -197,6 +197,34 @@ def _trainer_case(rank, world):
             "reloaded": {n: reloaded[n].clone() for n, _ in model.named_parameters()}}
 
 
+MAX_NORM = 0.05
+"""Far below the first step's gradient norm: clipping scales every gradient."""
+
+
+def _clip_case(rank, world, model_name, strategy, schedule):
+    """One step of the global batch, gradients clipped by ``pmodel.clip_grad_norm_``, one AdamW step."""
+    dp = world // 2
+    x, y = support.global_batch(model_name, 0)
+    pmodel = autopar.compile(support.build_model(model_name), x.chunk(dp)[rank // 2], pipeline=2, schedule=schedule,
+                             loss_fn=functools.partial(support.loss_fn, model_name), strategy=strategy)
+    optimizer = support.make_optimizer("adamw", pmodel.parameters())
+    pmodel.step(x.chunk(dp)[pmodel.data_parallel_rank], y.chunk(dp)[pmodel.data_parallel_rank])
+    norm = pmodel.clip_grad_norm_(MAX_NORM).item()
+    optimizer.step()
+    state = pmodel.state_dict()
+    return {"norm": norm, "params": {n: state[n].clone() for n in state}}
+
+
+def _clipped_reference(model_name):
+    model = support.build_model(model_name)
+    optimizer = support.make_optimizer("adamw", model.parameters())
+    x, y = support.global_batch(model_name, 0)
+    support.loss_fn(model_name, model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item()
+    optimizer.step()
+    return norm, support.params_of(model)
+
+
 def _trainer_resume_case(rank, world, directory):
     """``_trainer_case``'s epoch with a checkpoint after every step, stopped after the second; a fresh model
     resumes it mid-epoch (``resume=True``)."""
@@ -233,12 +261,15 @@ def _bad_inputs(rank, world):
 
 CHECKPOINTS = {2: [("gpt", "auto", "1f1b"), ("blocks", "auto", "interleaved_1f1b")],
                4: [("gpt", "fully_shard", "gpipe")]}
+CLIPS = {2: [("gpt", "auto", "1f1b")], 4: [("gpt", "fully_shard", "gpipe"), ("blocks", "auto", "1f1b")]}
 
 
 def _job(rank, world, directory):
     results = {case: support.outcome(_train_case, rank, world, *case) for case in CASES[world]}
     for case in CHECKPOINTS[world]:
         results[("checkpoint",) + case] = support.outcome(_checkpoint_case, rank, world, directory, *case)
+    for case in CLIPS[world]:
+        results[("clip",) + case] = support.outcome(_clip_case, rank, world, *case)
     if world == 2:
         results["auto"] = support.outcome(_auto_case, rank, world)
         results["auto_intra"] = support.outcome(_auto_intra_case, rank, world)
@@ -363,6 +394,20 @@ def test_checkpoint_resumes_exactly_and_loads_without_a_pipeline(jobs, item):
         for name, value in run["after_first"].items():
             torch.testing.assert_close(run["loaded_without_pipeline"][name], value, rtol=0, atol=0,
                                        msg=f"{what}, loaded without a pipeline: {name}")
+
+
+@pytest.mark.parametrize("item", [(w, c) for w in CLIPS for c in CLIPS[w]],
+                         ids=lambda item: f"{item[0]}ranks-" + "-".join(item[1]))
+def test_clip_grad_norm_uses_the_whole_models_norm(jobs, item):
+    """Tied copies, data-parallel replicas and fully-sharded shards each count once: the one-process norm, and
+    the clipped step's parameters."""
+    world, case = item
+    norm, params = _clipped_reference(case[0])
+    assert norm > 10 * MAX_NORM, norm
+    for rank, run in enumerate(_ok(_results(jobs, world), ("clip",) + case)):
+        what = f"rank {rank} {case} on {world} ranks"
+        assert abs(run["norm"] - norm) <= 1e-5 * norm, f"{what}: {run['norm']} vs {norm}"
+        support.assert_params_close({n: run["params"][n] for n in params}, params, what=what)
 
 
 def test_auto_pipeline_matches_one_process(jobs):

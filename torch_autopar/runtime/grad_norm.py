@@ -2,7 +2,8 @@
 
 Each sharded gradient contributes its local shard once; a gradient replicated over some mesh axes is counted
 once, not once per replica; one all-reduce (sum, or max for the inf-norm) gives every rank the same total.
-For unsharded modules it is ``torch.nn.utils.clip_grad_norm_``. Must never change a gradient's layout.
+For unsharded modules it is ``torch.nn.utils.clip_grad_norm_``; a pipelined model's ranks hold different stages,
+so it clips with ``pmodel.clip_grad_norm_`` (``runtime.pipeline``). Must never change a gradient's layout.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ Must never plan (it runs the layout it is given) and never write a schedule of i
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -264,6 +265,34 @@ class PipelineModule(torch.nn.Module):
             if old is not None:
                 p.grad = old if p.grad is None else p.grad.add_(old)
         return self._global_loss(losses if last else None)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale this rank's gradients so that the whole model's ``norm_type``-norm is at most ``max_norm``;
+        returns the norm before clipping, the same on every rank (call on every rank, after ``step``). Each
+        element counts once: a gradient every data-parallel rank holds whole, or a tied parameter's copy on
+        several pipeline ranks, is divided by its number of copies; a fully-sharded stage's shards count as
+        they are. (``autopar.clip_grad_norm_`` on ``pmodel.parameters()`` would see one rank's stages only.)"""
+        copies_of = {id(p): len(ranks) for ranks, members, _ in getattr(self, "_tied", []) for p in members}
+        norm_type = float(norm_type)
+        grads, total = [], torch.zeros((), dtype=torch.float64)
+        for param in self.parameters():
+            if param.grad is None:
+                continue
+            local = stage_sharding.local(param.grad)
+            copies = copies_of.get(id(param), 1) * (1 if local is not param.grad else self.data_parallel_size)
+            grads.append(local)
+            if math.isinf(norm_type):
+                total = torch.maximum(total, local.detach().abs().max().double()) if local.numel() else total
+            else:
+                total += torch.linalg.vector_norm(local.detach().double(), norm_type) ** norm_type / copies
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+        norm = (total if math.isinf(norm_type) else total ** (1.0 / norm_type)).float()
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(scale.to(grad.dtype))
+        return norm
 
     def _reduce_gradients(self, params, scale: float) -> None:
         with torch.no_grad():

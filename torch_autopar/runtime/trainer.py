@@ -155,9 +155,6 @@ class Model:
                                "integers (checkpoint_every may be None: save only at the end).")
         if checkpoint_every is not None and checkpoint_dir is None:
             raise AutoparError("checkpoint_every needs checkpoint_dir=: the directory to save checkpoints in.")
-        if isinstance(self.network, PipelineModule) and clip_grad_norm is not None:
-            raise AutoparError(f"clip_grad_norm= is not yet supported for pipelined models; found clip_grad_norm="
-                               f"{clip_grad_norm}. Drop it, or compile without pipeline=.")
         rank, world = self._data_rank()
         feed = make_feed(dataset, batch_size, rank, world, shuffle=shuffle, seed=seed, num_workers=num_workers,
                          pin_memory=pin_memory)
@@ -242,7 +239,10 @@ class Model:
             swap_sharded_parameters(self.optimizer)
             precision.unscale(self.grad_scaler, self.optimizer)
         if run.clip_grad_norm is not None:
-            clip_grad_norm_(self.network.parameters(), run.clip_grad_norm)
+            if isinstance(self.network, PipelineModule):
+                self.network.clip_grad_norm_(run.clip_grad_norm)
+            else:
+                clip_grad_norm_(self.network.parameters(), run.clip_grad_norm)
         if self.grad_scaler is None:
             self.optimizer.step()
         else:  # skips the step if any rank's gradients overflowed, then adapts the scale
