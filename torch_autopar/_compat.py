@@ -369,6 +369,11 @@ def fake_copy(module: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mo
         return copy.deepcopy(module)
 
 
+def autograd_node_class(function: type) -> type:
+    """The class of the autograd nodes (``grad_fn``) an ``autograd.Function`` subclass's outputs get."""
+    return function._backward_cls
+
+
 def group_name(group: dist.ProcessGroup) -> str:
     """The registered name of a process group, as functional collectives expect it."""
     return group.group_name

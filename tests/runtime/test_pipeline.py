@@ -3,7 +3,7 @@ losses (1e-5 relative) and full parameters (rtol 1e-4, atol 1e-5) after 3 AdamW 
 for the GPT (embedding tied to the output head across the two stages) and an MLP of identical blocks, GPipe and
 1F1B, eager and graph mode (the MLP also interleaved 1F1B and zero-bubble), and the MLP under pipeline="auto"; on 4 ranks also with fully-sharded stages
 (strategy="fully_shard": FSDP2 over each stage's 2 data-parallel ranks, each rank holding half of its stage's
-parameters; interleaved 1F1B too), one of them accumulating two half-batches per step and reloaded from its full state_dict;
+parameters; interleaved 1F1B and zero-bubble too), one of them accumulating two half-batches per step and reloaded from its full state_dict;
 every step runs exactly its rank's share of the plan's collectives (counted); ``save_checkpoint`` /
 ``load_checkpoint`` resume bit for bit (tied, fully-sharded and interleaved stages) and load into the model without
 a pipeline; ``pmodel.clip_grad_norm_`` clips by the whole model's norm; ``autopar.Model.train`` drives
@@ -43,7 +43,7 @@ CASES = {
     4: [("gpt", "gpipe", "eager"), ("gpt", "1f1b", "graph"), ("blocks", "1f1b", "eager"),
         ("blocks", "gpipe", "graph"), ("gpt", "gpipe", "eager", "fully_shard"),
         ("gpt", "1f1b", "graph", "fully_shard"), ("blocks", "1f1b", "eager", "fully_shard"),
-        ("blocks", "interleaved_1f1b", "eager", "fully_shard")],
+        ("blocks", "interleaved_1f1b", "eager", "fully_shard"), ("blocks", "zero_bubble", "eager", "fully_shard")],
 }
 
 
@@ -138,18 +138,27 @@ def _whole(param):
     return param.detach().full_tensor() if isinstance(param, DTensor) else param.detach().clone()
 
 
-def _checkpoint_case(rank, world, directory, model_name, strategy, schedule):
+def _checkpoint_case(rank, world, directory, model_name, strategy, schedule, optimizer_kind="built after"):
     """Three steps uninterrupted; then one step, ``save_checkpoint``, a fresh model (other initial values) loading
     it and two more steps: the same losses and final full parameters. The same checkpoint also loads into the
-    model compiled without a pipeline (``data_parallel``): the state after the first step."""
+    model compiled without a pipeline (``data_parallel``): the state after the first step. ``optimizer_kind="two
+    groups before"``: the model is compiled without inputs and AdamW built from its parameters before its first
+    call (every stage's), in two groups of their own learning rates, the input layer's alone (held by pipeline
+    rank 0 only)."""
     dp = world // 2
 
     def fresh(seed=0):
         x, _ = support.global_batch(model_name, 0)
-        pmodel = autopar.compile(support.build_model(model_name, seed=seed), x.chunk(dp)[rank // 2], pipeline=2,
+        pmodel = autopar.compile(support.build_model(model_name, seed=seed),
+                                 x.chunk(dp)[rank // 2] if optimizer_kind == "built after" else None, pipeline=2,
                                  schedule=schedule, loss_fn=functools.partial(support.loss_fn, model_name),
                                  strategy=strategy)
-        return pmodel, support.make_optimizer("adamw", pmodel.parameters())
+        if optimizer_kind == "built after":
+            return pmodel, support.make_optimizer("adamw", pmodel.parameters())
+        named = dict(pmodel.named_parameters())
+        groups = [{"params": [p for n, p in named.items() if n.startswith("inp.")], "lr": 3e-3},
+                  {"params": [p for n, p in named.items() if not n.startswith("inp.")], "lr": 1e-3}]
+        return pmodel, torch.optim.AdamW(groups, eps=1e-6)
 
     def steps(pmodel, optimizer, first, last):
         losses = []
@@ -168,6 +177,8 @@ def _checkpoint_case(rank, world, directory, model_name, strategy, schedule):
     autopar.save_checkpoint(path, pmodel, optimizer, step=1)
     after_first = pmodel.state_dict()
     pmodel, optimizer = fresh(seed=1)
+    if optimizer_kind != "built after":  # cut into stages before loading
+        pmodel.prepare((support.global_batch(model_name, 0)[0].chunk(dp)[rank // 2],))
     extra = autopar.load_checkpoint(path, pmodel, optimizer)
     resumed = first + steps(pmodel, optimizer, 1, 3), pmodel.state_dict()
     x, _ = support.global_batch(model_name, 0)
@@ -259,7 +270,8 @@ def _bad_inputs(rank, world):
     }
 
 
-CHECKPOINTS = {2: [("gpt", "auto", "1f1b"), ("blocks", "auto", "interleaved_1f1b")],
+CHECKPOINTS = {2: [("gpt", "auto", "1f1b"), ("blocks", "auto", "interleaved_1f1b"),
+                   ("blocks", "auto", "1f1b", "two groups before")],
                4: [("gpt", "fully_shard", "gpipe")]}
 CLIPS = {2: [("gpt", "auto", "1f1b")], 4: [("gpt", "fully_shard", "gpipe"), ("blocks", "auto", "1f1b")]}
 

@@ -109,15 +109,15 @@ class UnitCost:
     flops: int = 0
     activation_bytes: int = 0
     """Bytes of every non-view tensor the forward creates (an upper bound of what backward keeps)."""
-    params: dict[str, tuple[int, int]] | None = None
-    """Qualified parameter name (a tied parameter's first) → (elements, bytes), for the parameters of the
-    modules the unit calls or reads."""
+    params: dict[str, tuple[int, int, int]] | None = None
+    """Qualified parameter name (a tied parameter's first) → (elements, bytes, dim-0 rows; 0 when 0-d), for the
+    parameters of the modules the unit calls or reads."""
 
 
-def _unit_params(top: TopLevel, unit: dict) -> dict[object, dict[str, tuple[int, int]]]:
+def _unit_params(top: TopLevel, unit: dict) -> dict[object, dict[str, tuple[int, int, int]]]:
     root = top.graph_module
     canonical = {id(p): n for n, p in root.named_parameters()}  # a tied parameter: its first name, wherever read
-    found: dict[object, dict[str, tuple[int, int]]] = {}
+    found: dict[object, dict[str, tuple[int, int, int]]] = {}
     for node, where in unit.items():
         if node.op == "call_module":
             params = list(root.get_submodule(node.target).parameters())
@@ -125,8 +125,8 @@ def _unit_params(top: TopLevel, unit: dict) -> dict[object, dict[str, tuple[int,
             params = [value]
         else:
             continue
-        found.setdefault(where, {}).update({canonical[id(p)]: (p.numel(), p.numel() * p.element_size())
-                                            for p in params})
+        found.setdefault(where, {}).update({canonical[id(p)]: (p.numel(), p.numel() * p.element_size(),
+                                                                p.shape[0] if p.ndim else 0) for p in params})
     return found
 
 

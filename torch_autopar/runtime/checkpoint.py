@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
 from torch_autopar.runtime.parallel_module import ParallelModule
+from torch_autopar.runtime.pipeline import PipelineModule
 from torch_autopar.runtime.sharded import swap_sharded_parameters
 
 FORMAT_VERSION = 1
@@ -71,7 +72,7 @@ def _whole_module(pmodel: torch.nn.Module) -> torch.nn.Module:
 
 
 def _is_pipelined(pmodel) -> bool:
-    return getattr(pmodel, "pipeline_size", 1) > 1
+    return isinstance(pmodel, PipelineModule)
 
 
 def save_checkpoint(path, pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **extra) -> None:
@@ -121,7 +122,8 @@ def _write_state(staging: str, pmodel, optimizer) -> None:
     kept as numbers) as JSON, because DCP would pickle it."""
     tensors, plain = split_tensors(_state(pmodel, optimizer))
     _check_json(plain, "the optimizer's non-tensor state")
-    plain = _with_every_ranks_parameters(plain)
+    if optimizer is not None:
+        plain = _with_every_ranks_parameters(plain, _held_groups(optimizer, _module(pmodel), _is_pipelined(pmodel)))
     try:
         with _dcp_quietly():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(os.path.join(staging, "state")),
@@ -134,18 +136,25 @@ def _write_state(staging: str, pmodel, optimizer) -> None:
         _write_json(os.path.join(staging, "plain.json"), plain)
 
 
-def _with_every_ranks_parameters(plain: dict) -> dict:
-    """``plain`` (written by rank 0) with each optimizer parameter group naming the parameters of every rank: a
-    pipelined model's ranks each hold their stages' (DCP's loader takes a group's hyper-parameters from the
-    saved group naming the parameter)."""
-    groups = plain.get("optimizer", {}).get("param_groups")
-    if not groups or not dist.is_initialized() or dist.get_world_size() == 1:
+def _with_every_ranks_parameters(plain: dict, held: list[tuple[int, list]]) -> dict:
+    """``plain`` (written by rank 0) with the optimizer's values of every rank's parameters: each parameter group
+    (``held``: this rank's, by position in the optimizer) naming every rank's parameters (DCP's loader takes a
+    group's hyper-parameters from the saved group naming the parameter) and every rank's non-tensor
+    per-parameter state (a pipelined model's ranks each hold their stages')."""
+    optimizer = plain.get("optimizer", {})
+    if not dist.is_initialized() or dist.get_world_size() == 1 or "param_groups" not in optimizer:
         return plain
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, [group["params"] for group in groups])
-    merged = [dict(group, params=list(dict.fromkeys(name for names in everyone for name in names[i])))
-              for i, group in enumerate(groups)]
-    return {**plain, "optimizer": {**plain["optimizer"], "param_groups": merged}}
+    indices = [index for index, _ in held]
+    dist.all_gather_object(everyone, (indices, optimizer["param_groups"], optimizer.get("state", {})))
+    groups: dict[int, dict] = {}
+    for rank_indices, rank_groups, _ in everyone:
+        for index, group in zip(rank_indices, rank_groups):
+            merged = groups.setdefault(index, dict(group, params=[]))
+            merged["params"] = list(dict.fromkeys(merged["params"] + group["params"]))
+    state = {name: value for _, _, states in everyone for name, value in states.items()}
+    merged_optimizer = {**optimizer, "param_groups": [groups[index] for index in sorted(groups)]}
+    return {**plain, "optimizer": {**merged_optimizer, **({"state": state} if state else {})}}
 
 
 def split_tensors(tree: dict) -> tuple[dict, dict]:
@@ -207,23 +216,39 @@ def _state(pmodel, optimizer) -> dict:
     return {"model": model_state, "optimizer": optimizer_state}
 
 
+def _held_groups(optimizer, module: torch.nn.Module, pipelined: bool) -> list[tuple[int, list]]:
+    """(position, parameters) of each of ``optimizer``'s groups holding some of ``module``'s parameters, those
+    only: an optimizer built from a pipelined model's ``parameters()`` before its first call holds every
+    stage's and steps only this rank's (the others get no gradient here; their ranks save and load them), and
+    a group may hold only other ranks' parameters. Every group as it is when not pipelined."""
+    if not pipelined:
+        return list(enumerate(group["params"] for group in optimizer.param_groups))
+    held = {id(p) for p in module.parameters()}
+    kept = [(index, [p for p in group["params"] if id(p) in held]) for index, group in enumerate(optimizer.param_groups)]
+    kept = [(index, params) for index, params in kept if params]
+    if held and not kept:
+        raise AutoparError("the optimizer holds none of this rank's pipeline stage parameters (a fully-sharded "
+                           "stage's are replaced by shards when the model is first called); expected an optimizer "
+                           "built from pmodel.parameters() after that: compile with example inputs (or call the "
+                           "model once) before building the optimizer.")
+    return kept
+
+
 @contextlib.contextmanager
 def _optimizer_over(optimizer, module: torch.nn.Module, pipelined: bool):
-    """``optimizer`` seen holding only ``module``'s parameters: an optimizer built from a pipelined model's
-    ``parameters()`` before its first call holds every stage's, and steps only this rank's (the others get no
-    gradient here); the other ranks save and load theirs."""
+    """``optimizer`` seen with only its groups and parameters of ``module`` (``_held_groups``); hyper-parameters
+    a load brings are kept."""
     if not pipelined:
         yield
         return
-    held = {id(p) for p in module.parameters()}
-    every = [group["params"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) in held]
+    groups, kept = optimizer.param_groups, _held_groups(optimizer, module, pipelined)
+    optimizer.param_groups = [dict(groups[index], params=params) for index, params in kept]
     try:
         yield
-    finally:  # optimizer.load_state_dict makes new group dicts: restore by position
-        for group, params in zip(optimizer.param_groups, every):
-            group["params"] = params
+    finally:  # optimizer.load_state_dict makes new group dicts: their hyper-parameters go back by position
+        for (index, _), seen in zip(kept, optimizer.param_groups):
+            groups[index].update({key: value for key, value in seen.items() if key != "params"})
+        optimizer.param_groups = groups
 
 
 def _write_metadata(staging: str, pmodel, extra: dict, world: int) -> None:

@@ -58,7 +58,7 @@ class CollectiveCounter(TorchDispatchMode):
             sent = args[which] if isinstance(which, int) else \
                 args[0] if which != "output" or isinstance(out, tuple) else out  # c10d ops return (tensors, work)
             nbytes = tensor_nbytes(sent)
-            group = args[group_index] if group_index is not None and len(args) > group_index else None
+            group = args[group_index] if len(args) > group_index else None
             if group is not None and not isinstance(group, str):
                 group = _compat.dispatched_group_name(group)
             axis = self._axes.get(group, str(group)) if isinstance(group, str) else self._axes.get(

@@ -35,7 +35,7 @@ from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime import stage_sharding
 from torch_autopar.runtime.modes import get_mode
 from torch_autopar.runtime.parallel_module import broadcast_module_state
-from torch_autopar.search.pipeline import LOSS_BYTES, stage_of_units, tied_axis
+from torch_autopar.search.pipeline import stage_of_units, tied_axis
 
 _SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
               "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
@@ -106,6 +106,7 @@ class PipelineModule(torch.nn.Module):
         graphs = split_stages(layout.top, layout.unit, stage_of_units(layout.cuts))
         self._graphs = graphs
         self._stage_shapes = StageShapes(graphs, plan.microbatches)  # before sharding: of the whole parameters
+        self._first_names = _first_names(self._user)  # before sharding replaces tied parameters' objects
         if world > 1:
             broadcast_module_state(self._user, None)  # every copy starts from rank 0's values, as DDP does
             self._pp_group = _new_groups([[d * self._pp + p for p in range(self._pp)] for d in range(self._dp)], rank)
@@ -143,7 +144,7 @@ class PipelineModule(torch.nn.Module):
         return tied
 
     def _schedule(self, args: tuple, targets, *, backward: bool = True):
-        """The schedule for inputs of these shapes (PipelineStage fixes its buffers' shapes at its first step);
+        """The schedule for inputs of these shapes (its stages are built for them: ``StageShapes``);
         without ``backward`` one with no loss, which runs forwards only."""
         key = _shapes(args) + (tuple(targets.shape) if isinstance(targets, torch.Tensor) else None, backward)
         if key not in self._schedules:
@@ -154,7 +155,7 @@ class PipelineModule(torch.nn.Module):
                                                output_args=metas[s][1], group=group)
                       for s, module in zip(self._mine, self.stages)]
             kind = _SCHEDULES[self.plan.schedule]
-            target = stages if len(self._mine) > 1 else stages[0]  # a multi-stage schedule takes the list
+            target = stages if issubclass(kind, pipelining.schedules.PipelineScheduleMulti) else stages[0]
             self._schedules[key] = kind(target, n_microbatches=self.plan.microbatches,
                                         loss_fn=self._loss if backward else None, scale_grads=False)
         return self._schedules[key]
@@ -178,14 +179,20 @@ class PipelineModule(torch.nn.Module):
         return self._user
 
     def checkpoint_module(self) -> torch.nn.Module:
-        """This rank's stages as one module under the user's names (their parameters and buffers; a fully-sharded
-        stage's as FSDP2's DTensor shards): what this rank saves and loads (``runtime.checkpoint``)."""
+        """This rank's stages' parameters and buffers as one module, under the user's names (a tied parameter
+        under its first name, whichever module reads it here; a fully-sharded stage's as FSDP2's DTensor
+        shards): what this rank saves and loads (``runtime.checkpoint``)."""
         if self.layout is None:
             raise AutoparError("a pipelined model is cut into stages at its first call; found none yet. Call it "
                                "(or pmodel.step) once, or compile it with example inputs, before checkpointing.")
         holder = torch.nn.Module()
         for s in self._mine:
-            _attach(holder, self._graphs[s], self._user, "")
+            graph = self._graphs[s]
+            for name, param in graph.named_parameters(remove_duplicate=False):
+                _register(holder, self._first_names.get(name, name), param)
+            for name, buffer in graph.named_buffers(remove_duplicate=False):
+                owner, _, leaf = name.rpartition(".")
+                _register(holder, name, buffer, _compat.is_persistent_buffer(graph.get_submodule(owner), leaf))
         return holder
 
     @property
@@ -274,7 +281,7 @@ class PipelineModule(torch.nn.Module):
         they are. (``autopar.clip_grad_norm_`` on ``pmodel.parameters()`` would see one rank's stages only.)"""
         copies_of = {id(p): len(ranks) for ranks, members, _ in getattr(self, "_tied", []) for p in members}
         norm_type = float(norm_type)
-        grads, total = [], torch.zeros((), dtype=torch.float64)
+        grads, total = [], torch.zeros((), dtype=torch.float64, device=launch.device_type())
         for param in self.parameters():
             if param.grad is None:
                 continue
@@ -313,8 +320,8 @@ class PipelineModule(torch.nn.Module):
 
     def _global_loss(self, losses) -> torch.Tensor:
         """Mean over micro-batches on the last stage, then over data-parallel replicas: one all-reduce."""
-        local = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros(())
-        assert local.nbytes == LOSS_BYTES, local  # what the plan lists
+        local = torch.stack([l.detach().float() for l in losses]).mean() if losses else \
+            torch.zeros((), device=launch.device_type())  # one fp32 scalar: search.pipeline.LOSS_BYTES
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)
         return local / self.data_parallel_size
@@ -377,32 +384,28 @@ class PipelineModule(torch.nn.Module):
         return result
 
 
-def _attach(holder: torch.nn.Module, source: torch.nn.Module, user: torch.nn.Module, prefix: str) -> None:
-    """Put ``source``'s modules, parameters and buffers into ``holder`` under the same names: the user's own
-    modules as they are, the containers ``torch.fx`` made for a stage (holding only that stage's part of a
-    ``ModuleList``) merged with those of this rank's other stages."""
-    for name, child in source.named_children():
-        if name in holder._modules and holder._modules[name] is child:
-            continue
-        if _user_module(user, prefix + name) is child:
-            holder.add_module(name, child)
-            continue
-        if name not in holder._modules:
-            holder.add_module(name, torch.nn.Module())
-        _attach(holder._modules[name], child, user, f"{prefix}{name}.")
-    for name, param in source.named_parameters(recurse=False):
-        if name not in holder._parameters:
-            holder.register_parameter(name, param)
-    for name, buffer in source.named_buffers(recurse=False):
-        if name not in holder._buffers:
-            holder.register_buffer(name, buffer, persistent=_compat.is_persistent_buffer(source, name))
+def _first_names(module: torch.nn.Module) -> dict[str, str]:
+    """Every name of a parameter → its first name (a tied parameter's other names → the first)."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(param), name)
+            for name, param in module.named_parameters(remove_duplicate=False)}
 
 
-def _user_module(user: torch.nn.Module, path: str):
-    try:
-        return user.get_submodule(path)
-    except AttributeError:
-        return None
+def _register(holder: torch.nn.Module, name: str, tensor: torch.Tensor, persistent: bool | None = None) -> None:
+    """Put ``tensor`` at dotted ``name`` in ``holder`` (a parameter, or a buffer when ``persistent`` is given),
+    creating the modules on the way; a name already there keeps its first tensor."""
+    owner, _, leaf = name.rpartition(".")
+    module = holder
+    for part in owner.split(".") if owner else ():
+        if part not in module._modules:
+            module.add_module(part, torch.nn.Module())
+        module = module._modules[part]
+    if leaf in module._parameters or leaf in module._buffers:
+        return
+    if persistent is None:
+        module.register_parameter(leaf, tensor)
+    else:
+        module.register_buffer(leaf, tensor, persistent=persistent)
 
 
 def _shapes(args: tuple) -> tuple:

@@ -158,7 +158,7 @@ def to_compute(param, placements: tuple, dtype: torch.dtype, reduce_dtype: torch
 
 def to_compute_node() -> type:
     """The autograd node class of ``to_compute``'s output (activation checkpointing casts the master again)."""
-    return _ToCompute._backward_cls
+    return _compat.autograd_node_class(_ToCompute)
 
 
 def compute_parameters(params: dict, placements: dict, policy: MixedPrecision | None) -> dict:

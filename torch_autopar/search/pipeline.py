@@ -69,7 +69,7 @@ BUBBLE_SHRINK = {"zero_bubble": 3}
 """How much smaller a schedule makes 1F1B's bubble besides interleaving. Zero-bubble (torch's
 ``ScheduleInterleavedZeroBubble``, ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism", 2023) splits each
 backward into its input-gradient (B) and weight-gradient (W) parts and fills the idle time with W: 1F1B's
-(p - 1)(F + B + W) becomes (p - 1)(F + B - 2W), a third of it with B = W = F (backward = 2 x forward, as
+(p - 1)(F + B + W) becomes (p - 1)(F + B - W), a third of it with B = W = F (backward = 2 x forward, as
 ``BACKWARD_FLOPS`` prices it), at 1F1B's activation memory."""
 BACKWARD_FLOPS = 2
 """Backward FLOPs per forward FLOP (gradients for the activations and for the weights)."""
@@ -348,17 +348,31 @@ def _stage_memory(param_bytes: int, activations: float, layout: str, dp: int) ->
             "optimizer": ADAM_STATE_PER_PARAM * held, "activations": int(activations)}
 
 
-def _stage_sync(param_bytes: int, layout: str, cost_model: CostModel, where: str) -> list[PlannedCollective]:
+def _shard_bytes(entry: tuple[int, int, int], dp: int) -> int:
+    """Bytes of the largest of FSDP2's ``dp`` shards of one parameter ((elements, bytes, dim-0 rows)):
+    ceil(rows / dp) rows; a 0-d parameter stays whole (``runtime.stage_sharding``)."""
+    _, size, rows = entry
+    return size if rows == 0 else -(-rows // dp) * (size // rows)
+
+
+def _gathered_bytes(params: dict, dp: int) -> int:
+    """What FSDP2's all_gather brings (and its reduce_scatter takes) for a stage: every sharded parameter's
+    shards padded to the largest, times dp (0-d parameters are not sharded)."""
+    return sum(_shard_bytes(entry, dp) * dp for entry in params.values() if entry[2])
+
+
+def _stage_sync(nbytes: int, layout: str, cost_model: CostModel, where: str) -> list[PlannedCollective]:
     """Collectives over the data-parallel ranks (mesh axis 0) once per step: for a "fully_shard" stage one
-    all_gather (the first micro-batch's forward; kept for the step) and one reduce_scatter (after the last
-    backward), as FSDP2 runs one unit per stage; for a pipeline rank's "data_parallel" stages one all_reduce of
-    all their gradients (``runtime.pipeline`` reduces a rank's gradients in one flat buffer)."""
-    if cost_model.mesh_shape[0] == 1 or param_bytes == 0:
+    all_gather of its padded shards (the first micro-batch's forward; kept for the step) and one reduce_scatter
+    (after the last backward), as FSDP2 runs one unit per stage; for a pipeline rank's gradients that no
+    reduce_scatter reduces (every one of "data_parallel" stages, 0-d ones of "fully_shard" stages) one
+    all_reduce (``runtime.pipeline`` reduces them in one flat buffer)."""
+    if cost_model.mesh_shape[0] == 1 or nbytes == 0:
         return []
     kinds = [("all_gather", "forward"), ("reduce_scatter", "grad_sync")] if layout == "fully_shard" else \
         [("all_reduce", "grad_sync")]
-    return [PlannedCollective(kind=kind, axis="dp", nbytes=param_bytes, phase=phase, where=where,
-                              seconds=cost_model.collective_time(kind, 0, param_bytes)) for kind, phase in kinds]
+    return [PlannedCollective(kind=kind, axis="dp", nbytes=nbytes, phase=phase, where=where,
+                              seconds=cost_model.collective_time(kind, 0, nbytes)) for kind, phase in kinds]
 
 
 def tied_axis(pipeline_ranks) -> str:
@@ -382,13 +396,14 @@ def rank_collectives(plan: Plan, pipeline_rank: int) -> list[PlannedCollective]:
 
 def _tied_sync(stages: list, ranks: int, layout: str, dp: int, cost_model: CostModel) -> list[PlannedCollective]:
     """Per set of pipeline ranks holding the same parameter (an embedding tied to the output head): one
-    all_reduce summing their copies' gradients (of the shards, 1/dp each, when fully sharded)."""
+    all_reduce summing their copies' gradients (when fully sharded, of their shards: the largest shard's bytes,
+    what the replica holding the first rows sends)."""
     holders: dict[str, set[int]] = {}
     nbytes: dict[str, int] = {}
     for s, stage in enumerate(stages):
-        for name, (_, size) in stage.params.items():
+        for name, entry in stage.params.items():
             holders.setdefault(name, set()).add(s % ranks)
-            nbytes[name] = size // dp if layout == "fully_shard" else size
+            nbytes[name] = _shard_bytes(entry, dp) if layout == "fully_shard" else entry[1]
     shared: dict[tuple, int] = {}
     for name, held in holders.items():
         if len(held) > 1:
@@ -404,19 +419,20 @@ class _Stage:
     """What a stage holds whatever the schedule: its units, parameters and activations on the measured batch."""
 
     units: list
-    params: dict[str, tuple[int, int]]
+    params: dict[str, tuple[int, int, int]]
+    """Parameter name → (elements, bytes, dim-0 rows; 0 for a 0-d parameter)."""
     activation_bytes: int
 
     @property
     def param_bytes(self) -> int:
-        return sum(nbytes for _, nbytes in self.params.values())
+        return sum(nbytes for _, nbytes, _ in self.params.values())
 
 
 def _stages(measured: Measured, cuts: list[int], names: dict) -> list[_Stage]:
     stage_of, stages = stage_of_units(cuts), []
     for s in range(len(cuts) - 1):
         units = [u for u in names if stage_of(u) == s]
-        params: dict[str, tuple[int, int]] = {}
+        params: dict[str, tuple[int, int, int]] = {}
         for u in units:
             params.update(measured.costs.get(u, UnitCost()).params or {})
         stages.append(_Stage(units=units, params=params, activation_bytes=sum(
@@ -434,9 +450,12 @@ def _sends(nbytes: int, s: int, microbatches: int, cost_model: CostModel) -> lis
 
 
 def _loss_reduce(cost_model: CostModel) -> PlannedCollective:
-    """The step's loss, averaged over every rank (the last stages' micro-batch means, zeros elsewhere)."""
+    """The step's loss, averaged over every rank (the last stages' micro-batch means, zeros elsewhere): priced as
+    an all-reduce over each mesh axis in turn."""
+    seconds = sum(cost_model.collective_time("all_reduce", axis, LOSS_BYTES)
+                  for axis, size in enumerate(cost_model.mesh_shape) if size > 1)
     return PlannedCollective(kind="all_reduce", axis="dp+pp", nbytes=LOSS_BYTES, phase="forward", where="loss",
-                             seconds=cost_model.collective_time("all_reduce", 1, LOSS_BYTES))
+                             seconds=seconds)
 
 
 def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, layout: str, cuts: list[int],
@@ -460,18 +479,19 @@ def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, l
         memory[rank] = {k: memory[rank].get(k, 0) + v for k, v in stage_memory.items()}
         moves = _sends(int(measured.crossing[cuts[s + 1]] * scale / microbatches), s, microbatches, cost_model)
         if layout == "fully_shard":
-            moves += _stage_sync(stage.param_bytes, layout, cost_model, f"stage{s}")
+            moves += _stage_sync(_gathered_bytes(stage.params, dp), layout, cost_model, f"stage{s}")
         compute[rank] += stage_compute
         sends[rank] += sum(c.seconds for c in moves if c.kind == "send")
         sync[rank] += sum(c.seconds for c in moves if c.kind != "send")
         result.collectives += moves
         result.rows.append(StageRow(index=s, layers=[n for u in stage.units for n in names[u]],
-                                    num_params=sum(numel for numel, _ in stage.params.values()),
+                                    num_params=sum(numel for numel, _, _ in stage.params.values()),
                                     compute_s=stage_compute * microbatches, memory_bytes=sum(stage_memory.values())))
-    for rank in range(ranks) if layout == "data_parallel" else ():
-        held = {name: size for s in range(rank, len(stages), ranks) for name, (_, size) in stages[s].params.items()}
-        moves = _stage_sync(sum(held.values()), layout, cost_model,
-                            ",".join(f"stage{s}" for s in range(rank, len(stages), ranks)))
+    for rank in range(ranks):
+        mine = range(rank, len(stages), ranks)
+        unreduced = {name: size for s in mine for name, (_, size, rows) in stages[s].params.items()
+                     if layout == "data_parallel" or rows == 0}
+        moves = _stage_sync(sum(unreduced.values()), "data_parallel", cost_model, ",".join(f"stage{s}" for s in mine))
         sync[rank] += sum(c.seconds for c in moves)
         result.collectives += moves
     for move in _tied_sync(stages, ranks, layout, dp, cost_model):
