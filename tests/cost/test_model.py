@@ -1,12 +1,17 @@
 """``CostModel``: alpha-beta collective times per mesh axis worked out by hand, link choice by node, roofline
-compute, shard factors."""
+compute, shard factors, the memo of moves by canonical placement pair."""
 
 from __future__ import annotations
+
+import itertools
+import random
 
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from torch_autopar.cost import CostModel, collectives_for, get_profile
+from torch_autopar.cost.model import CollectiveCost, canonical_move
+from torch_autopar.launch.mesh import offline_mesh
 
 MB = 1_000_000
 H100 = get_profile("h100")  # NVLink 450e9 B/s and 3 us; InfiniBand 50e9 B/s and 10 us; 8 per node; 80% efficiency
@@ -82,3 +87,27 @@ def test_collectives_for_transitions():
     assert kinds((Replicate(), Replicate()), (Shard(0), Replicate())) == []  # a local slice: no communication
     # all-gather along axis 1 of a tensor still sharded over axis 0 moves a quarter of it
     assert kinds((Shard(0), Shard(1)), (Shard(0), Replicate())) == [("all_gather", 1, 256)]
+
+
+def test_canonical_move_renumbers_dims_by_first_appearance_and_keeps_what_differs():
+    assert canonical_move((Shard(2), Replicate()), (Replicate(), Shard(3))) == ((Shard(0), Replicate()),
+                                                                                 (Replicate(), Shard(1)))
+    assert canonical_move((Shard(1), Shard(1)), (Shard(3), Partial())) == ((Shard(0), Shard(0)), (Shard(1), Partial()))
+    same_dim = canonical_move((Shard(0), Shard(0)), (Replicate(), Shard(0)))
+    assert same_dim != canonical_move((Shard(0), Shard(1)), (Replicate(), Shard(1)))
+
+
+def test_memoised_moves_and_prices_equal_dtensors_steps_on_the_pairs_as_given():
+    """The memo (by canonical pair) answers exactly what pricing each pair as given answers, on a 3-D mesh."""
+    options = [Replicate(), Partial(), Partial("max")] + [Shard(d) for d in range(3)]
+    layouts = list(itertools.product(options, repeat=3))
+    pairs = random.Random(0).sample([(s, t) for s in layouts for t in layouts], 300)
+    with offline_mesh((2, 4, 8)) as mesh:
+        memoised, fresh = CostModel(H100, (2, 4, 8), mesh), CostModel(H100, (2, 4, 8), mesh)
+        for source, target in pairs:
+            assert memoised.moves(source, target, 3 << 20) == [
+                CollectiveCost(kind, axis, int((3 << 20) * share)) for kind, axis, share in fresh._unit_moves(source, target)]
+            latency, per_byte = memoised.reshard_coefficients(source, target)
+            moves = fresh.moves(source, target, 1 << 30)
+            assert latency == sum(fresh.collective_coefficients(m.kind, m.axis)[0] for m in moves)
+            assert per_byte == sum(fresh.collective_coefficients(m.kind, m.axis)[1] * m.nbytes / (1 << 30) for m in moves)

@@ -73,6 +73,19 @@ def _one_step(source, target) -> bool:
     return not any(isinstance(p, Shard) and p.dim in dims for axis, p in enumerate(source) if axis != changed[0])
 
 
+def canonical_move(source: tuple, target: tuple) -> tuple[tuple, tuple]:
+    """``(source, target)`` with tensor dims renumbered by first appearance (``(S(2), R) -> (R, S(3))`` becomes
+    ``(S(0), R) -> (R, S(1))``): the moves between them (their kinds, axes and shares of the bytes) do not depend
+    on which dims are split, only on which axes split the same one (DTensor's greedy redistribution compares dims
+    for equality only; other placements, such as a masked partial sum, are compared whole). With a
+    ``_StridedShard`` (DTensor plans those by graph search): as given."""
+    if any(is_sharded(p) and type(p) is not Shard for p in (*source, *target)):
+        return source, target
+    dims: dict[int, int] = {}
+    renumber = lambda p: Shard(dims.setdefault(p.dim, len(dims))) if type(p) is Shard else p  # noqa: E731
+    return tuple(map(renumber, source)), tuple(map(renumber, target))
+
+
 class CostModel:
     """Costs on ``hardware`` for a mesh of ``mesh_shape`` (ranks laid out row-major, last axis innermost)."""
 
@@ -82,6 +95,9 @@ class CostModel:
         self.mesh = mesh
         """A DeviceMesh (real or fake) lets ``moves`` follow DTensor's own redistribution steps."""
         self._moves: dict = {}
+        """Memo of ``_unit_moves`` and of ``reshard_coefficients`` by ``canonical_move`` (a 3-D mesh prices tens of
+        thousands of placement pairs, a few thousand of them distinct once canonical)."""
+        self._coefficients: dict = {}
 
     @property
     def has_all_to_all(self) -> bool:
@@ -92,7 +108,7 @@ class CostModel:
     def moves(self, source, target, global_nbytes: int) -> list[CollectiveCost]:
         """The collectives that run to move a tensor of ``global_nbytes`` from ``source`` to ``target``: the
         steps DTensor takes when a mesh is known (exact for multi-axis moves), else one per axis."""
-        key = (tuple(source), tuple(target))
+        key = canonical_move(tuple(source), tuple(target))
         if key not in self._moves:
             self._moves[key] = self._unit_moves(*key)
         return [CollectiveCost(kind, axis, int(global_nbytes * share)) for kind, axis, share in self._moves[key]]
@@ -144,12 +160,15 @@ class CostModel:
 
     def reshard_coefficients(self, source, target) -> tuple[float, float]:
         """(latency, seconds per byte of the global tensor) to move a tensor from ``source`` to ``target``."""
-        latency = per_byte = 0.0
-        for move in self.moves(source, target, 1 << 30):
-            a, b = self.collective_coefficients(move.kind, move.axis)
-            latency += a
-            per_byte += b * move.nbytes / (1 << 30)
-        return latency, per_byte
+        key = canonical_move(tuple(source), tuple(target))
+        if key not in self._coefficients:
+            latency = per_byte = 0.0
+            for move in self.moves(*key, 1 << 30):
+                a, b = self.collective_coefficients(move.kind, move.axis)
+                latency += a
+                per_byte += b * move.nbytes / (1 << 30)
+            self._coefficients[key] = (latency, per_byte)
+        return self._coefficients[key]
 
     def compute_time(self, flops: float, bytes_accessed: float, dtype: str) -> float:
         """Roofline: the slower of arithmetic and memory traffic, plus a fixed per-op overhead."""
