@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch._functorch._aot_autograd import descriptors as _desc
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors, make_boxed_func
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -23,7 +23,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.utils import flop_counter as _flop_counter
 
 __all__ = [
-    "DTensorSpec", "FakeTensor", "FakeTensorMode", "TensorMeta", "make_boxed_func",
+    "DTensorSpec", "FakeTensor", "FakeTensorMode", "TensorMeta", "boxed_python",
     "export_joint", "input_kind", "grad_target", "tangent_output_index", "output_index",
     "propagate_sharding", "node_flops", "queue_backward_callback", "default_store", "fake_store",
     "aot_autograd_backend",
@@ -91,6 +91,24 @@ def replace_joint_graph(joint, graph_module: torch.fx.GraphModule) -> None:
     for meta, tangent in zip(state.fw_metadata.subclass_tangent_meta, tangents):  # the shapes backward coerces to
         if isinstance(meta, PlainTensorMeta) and isinstance(tangent, torch.Tensor):
             meta.memory_format = MemoryFormatMeta.from_tensor(tangent)
+
+
+def boxed_python(graph_module: torch.fx.GraphModule) -> Callable:
+    """The FX graph's generated Python, called boxed (one list of inputs, as AOTAutograd calls a compiled graph)
+    and emptying that list as it starts, so that each input is freed after its last use in the graph, as
+    Inductor's code frees it: a backward graph's saved activations die as backward consumes them, not all at its
+    end (AOTAutograd's own ``boxed_nop``). Changes ``graph_module``'s code to take that list."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    graph_module.graph.set_codegen(_BoxedCodeGen())
+    graph_module.recompile()
+    forward = graph_module.forward
+
+    def run(args: list) -> Any:
+        return forward(args)
+
+    run._boxed_call = True
+    return run
 
 
 def inductor_compile(graph_module: torch.fx.GraphModule, example_inputs, *, backward: bool) -> Callable:

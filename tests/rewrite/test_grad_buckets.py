@@ -6,7 +6,7 @@ the program is traced, not run): the GPT planned fully sharded in graph mode.
               than the cap has a bucket of its own); ``bucket_cap_bytes=0`` gives one bucket per gradient
   program     the traced program runs exactly the plan's collectives (kind and bytes): one reduce_scatter per
               bucket, fewer than one per gradient; each is issued as soon as its last gradient is computed (backward
-              compute follows all but the last), and waited for only after the last bucket is issued
+              compute follows all but the last) and waited for when the next is issued: one in flight at a time
 """
 
 from __future__ import annotations
@@ -143,9 +143,10 @@ def _of_a_flat_buffer(collective) -> bool:
     return source.target is torch.ops.aten.cat.default
 
 
-def test_buckets_are_issued_amid_backward_and_waited_at_the_end(plans):
+def test_buckets_are_issued_amid_backward_each_waited_when_the_next_is_issued(plans):
     """Each bucket's collective reads its buffer, so it follows its gradients in graph order by construction; what
-    is checked is that it does not wait for the end: backward ops still follow every bucket but the last."""
+    is checked is that it does not wait for the end (backward ops still follow every bucket but the last), and
+    that it is waited for before the next is issued (its buffers freed: one in flight)."""
     plan = plans[SMALL_CAP]
     nodes = list(_traced(plan).graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
@@ -156,6 +157,7 @@ def test_buckets_are_issued_amid_backward_and_waited_at_the_end(plans):
                       or "backward" in str(node.target))]
     for node in issued[:-1]:  # backward goes on computing while each bucket but the last is reduced
         assert any(i > position[node] for i in computing)
-    waits = [node for node in nodes if node.target is WAIT and node.args[0] in issued]
+    waits = {node.args[0]: node for node in nodes if node.target is WAIT and node.args[0] in issued}
     assert len(waits) == len(issued)
-    assert min(position[w] for w in waits) > max(position[n] for n in issued)
+    for node, after in zip(issued, issued[1:] + [nodes[-1]]):
+        assert position[node] < position[waits[node]] < position[after], node.format_node()

@@ -1,6 +1,9 @@
 """Graph mode's gradient buckets, while the per-rank program is traced: each bucket of the plan flattened into one
-buffer and reduced by one functional collective, issued as soon as its last gradient is computed, waited for
-where a gradient of it is first used (the program's output), and unflattened there.
+buffer and reduced by one functional collective, issued as soon as its last gradient is computed and waited for
+when the next bucket's collective is issued (or, for the last, where a gradient of it is first used: the program's
+output), and unflattened there. One collective in flight at a time, as FSDP2 reduce-scatters: until it is waited
+for, a collective holds its input (gloo's reduce_scatter a whole copy of it), so waiting for every bucket at the
+output kept every bucket's unreduced gradients until the end of backward.
 
 A bucket (``Plan.grad_buckets``) holds gradients of one dtype reduced the same way (``cost.pricing.bucket_key``:
 collective kind and mesh axis; under mixed precision in the policy's ``reduce_dtype``, then cast back): an
@@ -42,6 +45,7 @@ class _Bucket:
     """``cost.pricing.bucket_key`` of the first gradient that arrived."""
     ready: dict[str, _Gradient] = field(default_factory=dict)
     reduced: torch.Tensor | None = None
+    waited: torch.Tensor | None = None
     results: dict[fx.Node, DTensor] | None = None
 
 
@@ -59,6 +63,8 @@ class GradBuckets:
         present = [[name for name in bucket if name in self.target] for bucket in buckets]
         self.buckets = [_Bucket(names=names, waiting=set(names)) for names in present if names]
         self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
+        self.in_flight: _Bucket | None = None
+        """The bucket whose collective was issued last (waited for when the next one is issued)."""
 
     def add(self, node: fx.Node, value) -> bool:
         """Gradient ``node``, just computed as ``value``: taken into its bucket (True; the bucket's collective is
@@ -88,7 +94,10 @@ class GradBuckets:
         return [bucket.ready[name] for name in bucket.names]
 
     def _issue(self, bucket: _Bucket) -> None:
-        """The bucket's collective, right after its last gradient (in the order the program is traced)."""
+        """The bucket's collective, right after its last gradient (in the order the program is traced), once the
+        collective issued before it is waited for."""
+        if self.in_flight is not None:
+            self._wait(self.in_flight)
         _, kind, axis = bucket.key
         group = _compat.group_name(self.mesh.get_group(axis))
         members = self._members(bucket)
@@ -100,6 +109,12 @@ class GradBuckets:
             rows = [_rank_rows(grad.value.to_local(), grad.reduction, ranks) for grad in members]
             flat = torch.cat(rows, dim=1).reshape(-1)
             bucket.reduced = _compat.functional_reduce_scatter()(self._in_reduce_dtype(flat), "sum", ranks, group)
+        self.in_flight = bucket
+
+    def _wait(self, bucket: _Bucket) -> None:
+        """The wait for ``bucket``'s collective, traced once: it frees the collective's buffers."""
+        if bucket.waited is None:
+            bucket.waited = _compat.functional_wait_tensor()(bucket.reduced)
 
     def _in_reduce_dtype(self, flat: torch.Tensor) -> torch.Tensor:
         return flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
@@ -120,7 +135,8 @@ class GradBuckets:
     def _unflatten(self, bucket: _Bucket) -> dict[fx.Node, DTensor]:
         ranks = self.mesh.size(bucket.key[2])
         members = self._members(bucket)
-        waited = _compat.functional_wait_tensor()(bucket.reduced).to(members[0].value.dtype)
+        self._wait(bucket)
+        waited = bucket.waited.to(members[0].value.dtype)
         shapes = [pricing.bucket_slot_shape(grad.value.to_local().shape, grad.reduction, ranks) for grad in members]
         results = {}
         for grad, piece, shape in zip(members, torch.split(waited, [math.prod(s) for s in shapes]), shapes):

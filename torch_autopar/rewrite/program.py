@@ -15,7 +15,8 @@ node's ``NodeLayout``, ``trace_program`` traces a program on this rank's local s
   - outputs with the batch as dim 0 leave as this rank's rows, others (and all of a full batch's) replicated
     (``placement.leaving``); each gradient leaves in its parameter's layout: the plan's buckets of gradients
     (``rewrite.grad_buckets``) are each reduced by one collective issued as soon as the bucket's last gradient
-    is computed and waited for at the output; a gradient outside them moves on its own as soon as it exists.
+    is computed and waited for when the next bucket's is issued (the last at the output); a gradient outside them
+    moves on its own as soon as it exists.
 DTensor is used while tracing only: the traced program holds plain aten ops and functional collectives, so
 nothing at run time can miss a sharding rule. AOTAutograd then partitions it into forward and backward graphs
 for the backend's compilers. Must never choose a layout (the plan does) and never communicate while tracing.

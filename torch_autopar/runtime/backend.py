@@ -51,7 +51,7 @@ def generate_code(gm: torch.fx.GraphModule, example_inputs, *, backward: bool):
     """The boxed callable that runs ``gm`` with the selected graph compiler."""
     if graph_compiler() == "inductor":
         return _compat.inductor_compile(gm, example_inputs, backward=backward)
-    return _compat.make_boxed_func(gm.forward)
+    return _compat.boxed_python(gm)
 
 
 def _run_forward(gm: torch.fx.GraphModule, example_inputs):

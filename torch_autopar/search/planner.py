@@ -24,7 +24,7 @@ from torch.distributed.tensor import Partial
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.fold import Folding
 from torch_autopar.capture.program import params_fingerprint
-from torch_autopar.capture.layers import forward_layer_nodes, node_weights
+from torch_autopar.capture.layers import forward_layer_nodes, node_weights, reshard_groups
 from torch_autopar.cost import CostModel, HardwareProfile, pricing
 from torch_autopar.errors import AutoparError
 from torch_autopar.search import estimate as est
@@ -444,9 +444,16 @@ class Planner(Executing):
 def _bucket_keys(groups: dict) -> dict:
     """Graph mode's bucket key per gradient, from its (dtype, parameter layout, gradient layout): gradients whose
     sync is one reduction share buckets by its kind and mesh axis (``cost.pricing.bucket_key``); any other gets a
-    key of its own (the program moves it alone)."""
-    return {name: pricing.bucket_key(dtype, source, target) or (name,)
-            for name, (dtype, target, source) in groups.items()}
+    key of its own (the program moves it alone). Reduce-scattered gradients share buckets within one layer only
+    (``capture.layers.reshard_groups``), as FSDP reduce-scatters each layer: a bucket's unreduced gradients live
+    until its last one is computed, one bucket of the whole model would hold them all to the end of backward."""
+    layer = {name: group for group, names in reshard_groups(list(groups)).items() for name in names}
+    keys = {}
+    for name, (dtype, target, source) in groups.items():
+        key = pricing.bucket_key(dtype, source, target)
+        scattered = key is not None and key[1] == "reduce_scatter"
+        keys[name] = (key + (layer.get(name, ""),) if scattered else key) or (name,)
+    return keys
 
 
 def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strategy: str = "auto",
