@@ -7,9 +7,10 @@ For each (model, strategy, ranks) configuration: ``autopar.profile()`` is measur
 the job calls it; under 2 gloo ranks it also times all_reduce / all_gather over the group), then
 ``autopar.compile(model, local_batch, strategy=..., hardware=profile, mode="eager")`` plans the model and
 ``plan.estimated_step_time`` is the prediction. The measured step is what the estimate covers: forward +
-backward + gradient synchronisation, timed from a barrier to the end of ``backward()`` (no optimizer step,
-which the estimate leaves out). The loss (MSE or cross-entropy on the model's output) is outside the captured
-graph, so it is timed but not predicted; ``--loss-free`` replaces it by ``output.sum()`` to check its weight.
+backward + gradient synchronisation + ``torch.optim.AdamW``'s step (the estimate prices it:
+``cost.pricing.optimizer_seconds``), timed from a barrier to the end of ``optimizer.step()``. The loss (MSE or
+cross-entropy on the model's output) is outside the captured graph, so it is timed but not predicted;
+``--loss-free`` replaces it by ``output.sum()`` to check its weight.
 
 Timing follows ``bench_dp.py``: one thread per process (2 ranks on 2 cores), warm-up steps, then the
 configurations of a job alternate in rounds (the order rotating each round) so that drift in the machine's
@@ -107,6 +108,12 @@ CONFIGS = (
 )
 
 
+def _call_ms(profile: dict) -> str:
+    """A profile's intra-node collective latency: its fixed cost per call and its cost per hop."""
+    link = profile["intra_node"]
+    return f"{link.get('call_s', 0.0) * 1e3:.2f} ms per call + {link['latency_s'] * 1e6:.0f} us per hop"
+
+
 def quiet() -> None:
     for category in (DeprecationWarning, FutureWarning, UserWarning):
         warnings.filterwarnings("ignore", category=category)
@@ -119,19 +126,23 @@ def prepare(config: Config, hardware, rank: int) -> dict:
     network = autopar.compile(config.build(), (inputs,), strategy=config.strategy, hardware=hardware, mode="eager")
     plan = network.plan
     counts = {f"{kind}@{axis}": n for (kind, axis), n in plan.collective_counts().items()}
-    return {"network": network, "inputs": inputs, "target": target, "compile_s": time.perf_counter() - started,
+    optimizer = torch.optim.AdamW(network.parameters(), lr=1e-6)
+    return {"network": network, "optimizer": optimizer, "inputs": inputs, "target": target,
+            "compile_s": time.perf_counter() - started,
             "plan": {"strategy": plan.strategy, "chosen": plan.search_stats.get("candidate", plan.strategy),
                      "mesh_shape": list(plan.mesh_shape), "estimated_step_ms": plan.estimated_step_time * 1e3,
                      "compute_ms": plan.compute_time * 1e3, "exposed_comm_ms": plan.exposed_comm_time * 1e3,
+                     "optimizer_ms": plan.search_stats.get("optimizer_s", 0.0) * 1e3,
                      "collectives": counts, "grad_buckets": len(plan.grad_buckets),
                      "param_placements": sorted({"/".join(p) for p in plan.param_placements.values()})}}
 
 
 def step(config: Config, entry: dict, loss_free: bool) -> None:
-    """Forward + loss + backward (gradient synchronisation included); no optimizer step."""
+    """Forward + loss + backward (gradient synchronisation included) + the optimizer step."""
     network = entry["network"]
     loss = config.loss(network(entry["inputs"]), entry["target"], loss_free)
     loss.backward()
+    entry["optimizer"].step()
 
 
 def timed_steps(config: Config, entry: dict, steps: int, loss_free: bool) -> list[tuple[float, float]]:
@@ -445,8 +456,8 @@ def findings(rows: list[dict], jobs: dict, load: tuple) -> list[str]:
             f"sharded plans (DTensor): every DTensor op costs ~{costs['dtensor']['median_us']:.0f} us of dispatch "
             f"(tiny op with autograd: {costs['autograd']['median_us']:.1f} us plain; the model charges the profile's "
             f"{profile_overhead:.1f} us per op): {dispatch}. Their collectives cost {per_coll} ms each in the "
-            f"profiled step against the profile's alpha of "
-            f"{jobs[sharded[0]['config']['ranks']]['profile']['intra_node']['latency_s'] * 1e3:.2f} ms, measured "
+            f"profiled step against the profile's {_call_ms(jobs[sharded[0]['config']['ranks']]['profile'])} per call "
+            "and hop, measured "
             "with the ranks aligned by a barrier; in a step every collective is a synchronisation point where the "
             "ranks' drift and descheduling add up (wait_tensor counts as comm).")
     worst = sorted(rows, key=lambda r: -abs(r["relative_error"]))[:3]
@@ -454,9 +465,9 @@ def findings(rows: list[dict], jobs: dict, load: tuple) -> list[str]:
                                                 for r in worst) + ".")
     def rates(ranks, job):
         figures = [job[k]["flops"]["float32"] / 1e9 for k in ("profile", "profile_after_timing")]
-        alphas = [job[k]["intra_node"]["latency_s"] * 1e6 for k in ("profile", "profile_after_timing")]
+        calls = [_call_ms(job[k]) for k in ("profile", "profile_after_timing")]
         return (f"{ranks} rank(s) {figures[0]:.0f} GFLOP/s, {figures[1]:.0f} after the timing"
-                + (f"; alpha {alphas[0]:.0f} us, {alphas[1]:.0f} us after" if ranks > 1 else ""))
+                + (f"; collective latency {calls[0]}, {calls[1]} after" if ranks > 1 else ""))
     notes.append("the profile's matmul rate is one short best-of-5 burst and moves with the machine's load ("
                  + "; ".join(rates(ranks, job) for ranks, job in jobs.items())
                  + "; with 2 ranks both multiply at once and the slower rank's rate counts); every prediction "
@@ -544,8 +555,8 @@ def main() -> None:
         p = job["profile"]
         link = p["intra_node"]
         print(f"profile ({ranks} rank(s), {job['profile_s']:.1f} s): {p['flops']['float32'] / 1e9:.1f} GFLOP/s, "
-              f"{p['memory_bandwidth'] / 1e9:.1f} GB/s, op overhead {p['op_overhead_s'] * 1e6:.2f} us, link alpha "
-              f"{link['latency_s'] * 1e6:.1f} us, {link['bandwidth'] / 1e9:.2f} GB/s ({p['source']})")
+              f"{p['memory_bandwidth'] / 1e9:.1f} GB/s, op overhead {p['op_overhead_s'] * 1e6:.2f} us, link "
+              f"{_call_ms(p)}, {link['bandwidth'] / 1e9:.2f} GB/s ({p['source']})")
         costs = job["per_op_overhead"]
         print(f"  per-op cost of tiny ops with autograd: {costs['autograd']['median_us']:.1f} us"
               + (f"; on DTensors: {costs['dtensor']['median_us']:.1f} us" if "dtensor" in costs else "")
@@ -560,7 +571,7 @@ def main() -> None:
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "options": options,
         "measured_step": "forward + " + ("output.sum()" if args.loss_free else "loss (MSE / cross-entropy)")
-                         + " + backward incl. gradient synchronisation; no optimizer step; median over timed steps "
+                         + " + backward incl. gradient synchronisation + AdamW step; median over timed steps "
                          "of the slower rank's wall time",
         "summary": summary,
         "findings": notes,

@@ -15,6 +15,9 @@ rounds (order rotating), each step after a barrier and counted as its slowest ra
                      rank its slice (the batch is gathered for the column layer, outputs split again)
   autopar_tp_hand_full   the same with full_batch=True: the whole batch on every rank, as tp_hand
   autopar_*_graph    the same in graph mode (torch.compile through the "autopar" backend: no DTensor dispatch)
+autopar plans with this machine's measured profile (``--profile measured``, the default: measured once per world
+size and cached, as ``compile(hardware="measured")`` does, so compile's default ``hardware=None`` finds it) or
+the built-in ``cpu-gloo`` profile (``--profile builtin``).
 Memory per rank: the local bytes of parameters, gradients and optimizer state (DTensor shards counted as
 held), and the process's peak RSS at the end. Bytes communicated per rank per step: counted with
 ``CollectiveCounter`` on one untimed step; for autopar also the plan's prediction. Must never change what it
@@ -42,6 +45,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import torch_autopar as autopar  # noqa: E402
 from bench.timing import alternating_step_times  # noqa: E402
+from torch_autopar.cost.job_profile import MEASURED, job_profile  # noqa: E402
 from torch_autopar.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torch_autopar.testing import run_on_ranks  # noqa: E402
 from torch_autopar.testing.models import GPT, MLP, GPTConfig, gpt2_init, gpt_loss  # noqa: E402
@@ -107,9 +111,9 @@ def _tp_layers(model) -> dict[str, str]:
     return {f"layers.{i}": ("col" if i % 2 == 0 else "row") for i in range(len(model.layers) - len(model.layers) % 2)}
 
 
-def _hand_plan(model, global_x, world, full_batch: bool):
+def _hand_plan(model, global_x, world, full_batch: bool, hardware):
     """The tp_hand layout as an autopar Plan: column weights/biases S(0), row weights S(1), rest replicated."""
-    plan = autopar.plan(model, (global_x,), mesh_shape=(world,), strategy="data_parallel", hardware="cpu-gloo",
+    plan = autopar.plan(model, (global_x,), mesh_shape=(world,), strategy="data_parallel", hardware=hardware,
                         full_batch=full_batch)
     layers = _tp_layers(model)
     for name in plan.param_placements:
@@ -123,7 +127,7 @@ def _hand_plan(model, global_x, world, full_batch: bool):
 
 
 # variants ---------------------------------------------------------------------------------------------------
-def make_variant(name, workload, rank, world, global_x):
+def make_variant(name, workload, rank, world, global_x, hardware="cpu-gloo"):
     """(network, optimizer, feeds_whole_batch)."""
     build = WORKLOADS[workload][0]
     model = build()
@@ -150,7 +154,7 @@ def make_variant(name, workload, rank, world, global_x):
         whole = strategy.endswith("_full")
         strategy = strategy.removesuffix("_full")
         if strategy == "tp_hand":
-            strategy = _hand_plan(build(), global_x, world, whole)
+            strategy = _hand_plan(build(), global_x, world, whole, hardware)
         net = autopar.compile(model, global_x if whole else local_x, strategy=strategy, mode=mode, full_batch=whole)
     return net, torch.optim.AdamW(net.parameters(), lr=1e-4), whole
 
@@ -203,12 +207,14 @@ def counted_bytes(variant, loss_fn, batch, rank, world) -> int:
 def worker(rank, world, options):
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    out = {}
+    # compile's default hardware=None plans with this machine's cached measurement: made here on first use
+    profile = job_profile(MEASURED if options["profile"] == "measured" else "cpu-gloo")
+    out = {"profile": profile.name}
     for workload in options["workloads"]:
         loss_fn = WORKLOADS[workload][2]
         batch = WORKLOADS[workload][1](torch.Generator().manual_seed(7))
         names = RESNET_VARIANTS if workload.startswith("resnet") else options["variants"]
-        variants = {name: make_variant(name, workload, rank, world, batch[0]) for name in names}
+        variants = {name: make_variant(name, workload, rank, world, batch[0], profile) for name in names}
         for variant in variants.values():
             for _ in range(options["warmup"]):
                 _step(variant, loss_fn, batch, rank, world)
@@ -230,7 +236,7 @@ def summarise(results: list, world: int) -> dict:
     first = results[0]
     summary = {}
     for workload, data in first.items():
-        if workload == "max_rss_bytes":
+        if workload in ("max_rss_bytes", "profile"):
             continue
         medians = {n: statistics.median(v) for n, v in data["step_s"].items()}
         summary[workload] = {
@@ -242,13 +248,15 @@ def summarise(results: list, world: int) -> dict:
             "plans": data["plans"],
         }
     summary["max_rss_mib"] = [r["max_rss_bytes"] / 2**20 for r in results]
+    summary["profile"] = first["profile"]
     return summary
 
 
 def table(world: int, summary: dict) -> str:
-    lines = [f"\n== {world} gloo ranks: median step ms (state MiB/rank, counted comm MiB/rank/step)"]
+    lines = [f"\n== {world} gloo ranks: median step ms (state MiB/rank, counted comm MiB/rank/step); autopar plans "
+             f"with the profile {summary['profile']}"]
     for workload, data in summary.items():
-        if workload == "max_rss_mib":
+        if workload in ("max_rss_mib", "profile"):
             continue
         lines.append(f"{workload}:")
         for name, ms in data["median_ms"].items():
@@ -266,14 +274,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worlds", default=None, help="comma-separated world sizes (default 2,4; quick: 2)")
     parser.add_argument("--workloads", default=None, help="default: all (quick: all but resnet50_64px)")
+    parser.add_argument("--profile", choices=("measured", "builtin"), default="measured",
+                        help="what autopar plans with: this machine's measured profile, cached per world size as "
+                             "compile(hardware='measured') caches it (default), or the built-in cpu-gloo")
     args = parser.parse_args()
     worlds = [int(w) for w in (args.worlds or ("2" if args.quick else "2,4")).split(",")]
     default = list(FOUR_RANK_WORKLOADS) if args.quick else list(WORKLOADS)
     variants = [v for v in VARIANTS if not args.quick or v in QUICK_VARIANTS]
     options = {"workloads": args.workloads.split(",") if args.workloads else default, "variants": variants, "warmup": 2 if args.quick else 3,
-               "rounds": 2 if args.quick else 4, "steps_per_round": 5 if args.quick else 5}
+               "rounds": 2 if args.quick else 4, "steps_per_round": 5 if args.quick else 5, "profile": args.profile}
     started = time.perf_counter()
-    report = {"command": "python bench/bench_speed.py" + (" --quick" if args.quick else ""),
+    report = {"command": " ".join(["python"] + sys.argv),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "options": options, "worlds": {}}
     for world in worlds:

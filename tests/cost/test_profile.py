@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import torch_autopar as autopar
 from torch_autopar.cost import CostModel, HardwareProfile, Link, get_profile
 from torch_autopar.cost.pricing import compute_seconds
-from torch_autopar.cost.profile import Sample, fit_alpha_beta, ring_terms
+from torch_autopar.cost.profile import Sample, fit_link, ring_terms
 from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.models import MLP
 
@@ -30,25 +30,39 @@ SMALL = dict(sizes=(1 << 10, 1 << 14, 1 << 18), matmul_size=128, copy_bytes=4 <<
 
 def _positive_finite(profile: HardwareProfile) -> None:
     figures = [profile.flops["float32"], profile.memory_bandwidth, profile.memory_bytes, profile.op_overhead_s,
-               profile.intra_node.latency_s, profile.intra_node.bandwidth,
-               profile.inter_node.latency_s, profile.inter_node.bandwidth]
+               profile.intra_node.latency_s + profile.intra_node.call_s, profile.intra_node.bandwidth,
+               profile.inter_node.latency_s + profile.inter_node.call_s, profile.inter_node.bandwidth]
     for value in figures:
         assert math.isfinite(value) and value > 0, profile
+    for link in (profile.intra_node, profile.inter_node):  # a fitted hop or call latency may be 0, never negative
+        assert link.latency_s >= 0 and link.call_s >= 0, link
 
 
 # the fit -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_fit_recovers_the_link_the_cost_model_was_given(world):
     """Times made by CostModel.collective_time from a known link fit back to that link (both kinds mixed)."""
-    link = Link(latency_s=7e-6, bandwidth=12e9)
+    link = Link(latency_s=7e-6, bandwidth=12e9, call_s=3e-5)
     hardware = HardwareProfile(name="known", flops={"float32": 1e12}, memory_bandwidth=1e12, memory_bytes=1 << 30,
                                devices_per_node=world, intra_node=link, inter_node=link, comm_efficiency=1.0)
     cost = CostModel(hardware, (world,))
     samples = [Sample(kind=kind, nbytes=n, world=world, seconds=cost.collective_time(kind, 0, n))
                for kind in ("all_reduce", "all_gather") for n in (1 << 10, 1 << 16, 1 << 22)]
-    alpha, beta = fit_alpha_beta(samples)
-    assert alpha == pytest.approx(7e-6, rel=1e-9)
-    assert 1 / beta == pytest.approx(12e9, rel=1e-9)
+    fitted = fit_link(samples)
+    assert fitted.latency_s == pytest.approx(7e-6, rel=1e-9)
+    assert fitted.call_s == pytest.approx(3e-5, rel=1e-9)
+    assert fitted.bandwidth == pytest.approx(12e9, rel=1e-9)
+
+
+def test_fit_tells_a_cost_per_call_from_a_cost_per_hop():
+    """On 2 gloo ranks in a step an all_reduce (2 hops) takes what an all_gather (1 hop) of the same latency
+    does: the fit puts the latency on the call, none on the hop."""
+    samples = [Sample(kind=kind, nbytes=n, world=2, seconds=1.2e-3 + ring_terms(kind, 2)[1] * n * 1e-9)
+               for kind in ("all_reduce", "all_gather") for n in (1 << 10, 1 << 16, 1 << 20)]
+    link = fit_link(samples)
+    assert link.call_s == pytest.approx(1.2e-3, rel=1e-6)
+    assert link.latency_s == pytest.approx(0.0, abs=1e-12)
+    assert link.bandwidth == pytest.approx(1e9, rel=1e-6)
 
 
 def test_ring_terms_are_the_ring_formulas():
@@ -61,9 +75,10 @@ def test_fit_keeps_both_coefficients_positive_on_noisy_data():
     """Times that fall with size (noise) would fit a negative beta: both figures stay positive and finite."""
     samples = [Sample(kind="all_reduce", nbytes=n, world=2, seconds=t)
                for n, t in [(1 << 10, 3e-4), (1 << 16, 2e-4), (1 << 20, 1e-4)]]
-    alpha, beta = fit_alpha_beta(samples)
-    assert 0 < alpha < math.inf and 0 < beta < math.inf
-    assert 1e-4 <= 2 * alpha <= 3e-4  # 2 steps: the latency term lies within the measured times
+    link = fit_link(samples)
+    latency, beta = link.call_s + 2 * link.latency_s, 1 / link.bandwidth  # 2 steps of an all_reduce on 2 ranks
+    assert 0 < latency < math.inf and 0 < beta < math.inf
+    assert 1e-4 <= latency <= 3e-4  # the latency term lies within the measured times
     assert beta <= 1e-4 / (1 << 20)  # at most what the largest message allows
 
 

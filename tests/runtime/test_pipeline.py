@@ -87,11 +87,15 @@ def _auto_case(rank, world):
 
 
 def _auto_intra_case(rank, world):
-    """pipeline='auto' where the intra-op plan estimates faster (the cpu-gloo profile): the module built is the
-    intra-op one and trains as DDP would (each rank its slice, gradients of the global batch)."""
+    """pipeline='auto' where the intra-op plan estimates faster (cpu-gloo with gloo's in-step cost of 1.2 ms a
+    call, which the pipeline's sends pay per micro-batch): the module built is the intra-op one and trains as DDP
+    would (each rank its slice, gradients of the global batch)."""
     model = support.build_model("blocks")
     x, _ = support.global_batch("blocks", 0)
-    pmodel = autopar.compile(model, x.chunk(world)[rank], pipeline="auto")
+    base = get_profile("cpu-gloo")
+    link = dataclasses.replace(base.intra_node, call_s=1.2e-3)
+    in_step = dataclasses.replace(base, intra_node=link, inter_node=link)
+    pmodel = autopar.compile(model, x.chunk(world)[rank], pipeline="auto", hardware=in_step)
     optimizer = support.make_optimizer("adamw", pmodel.parameters())
     for step in range(support.STEPS):
         x, y = support.global_batch("blocks", step)

@@ -36,7 +36,8 @@ def test_auto_is_the_proven_optimum_and_fits(plans):
     auto = plans["auto"]
     assert auto.search_stats["mode"] == "exact" and auto.search_stats["solver_optimal"], auto.search_stats
     assert auto.peak_memory <= get_profile("h100").memory_bytes
-    assert auto.search_stats["objective_s"] == pytest.approx(auto.estimated_step_time, rel=1e-9)
+    solved = auto.estimated_step_time - auto.search_stats["optimizer_dispatch_s"]  # the constant the MILP leaves out
+    assert auto.search_stats["objective_s"] == pytest.approx(solved, rel=1e-9)
 
 
 def test_auto_is_no_slower_than_each_named_strategy(plans):

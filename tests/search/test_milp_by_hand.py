@@ -48,7 +48,7 @@ BETA = 1.0 / (BANDWIDTH * COMM_EFFICIENCY)
 HARDWARE = HardwareProfile(
     name="by-hand", flops={"float32": PEAK}, memory_bandwidth=float("inf"), memory_bytes=1 << 50, devices_per_node=8,
     intra_node=Link(ALPHA, BANDWIDTH), inter_node=Link(1.0, 1.0), compute_efficiency=EFFICIENCY,
-    comm_efficiency=COMM_EFFICIENCY, op_overhead_s=0.0)
+    comm_efficiency=COMM_EFFICIENCY, op_overhead_s=0.0, dtensor_overhead_s=0.0)
 """The inter-node link is absurd on purpose: a 2-device mesh must never use it."""
 
 D_IN, D_HID, D_OUT, BATCH = 64, 128, 32, 4096

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torch_autopar as autopar
-from torch_autopar.cost import CostModel, get_profile
+from torch_autopar.cost import CostModel, get_profile, pricing
 from torch_autopar.search import pipeline as pipelining
 from torch_autopar.testing.models import GPT, LLAMA3_70B, GPTConfig, Llama, LlamaConfig
 from tests.support import StackedMLP
@@ -40,7 +40,7 @@ def test_step_seconds_by_hand():
 def test_one_candidate_priced_by_hand():
     """Four equal blocks on 2 stages x 2 data-parallel ranks, GPipe, 2 micro-batches: the step is
     M · t + t (two ranks of equal time t per micro-batch: compute + the send forward and its gradient back)
-    + the all-reduce of a stage's gradients + the loss's all-reduce; memory is weights, gradients and Adam state plus the activations
+    + the all-reduce of a stage's gradients and its optimizer step + the loss's all-reduce; memory is weights, gradients and Adam state plus the activations
     of both micro-batches."""
     with torch.device("meta"):
         model = StackedMLP(widths=(256,) * 4, dim=256, out=256)
@@ -56,7 +56,9 @@ def test_one_candidate_priced_by_hand():
     send = link.latency_s + 16 * 256 * 4 / (link.bandwidth * hardware.comm_efficiency)
     first, second = sum(per_layer[:2]) + 2 * send, sum(per_layer[2:])
     stage_bytes = [4 * (2 * (2 * 256 * 256 + 2 * 256) + 256 * 256 + 256)] * 2  # two blocks + the input layer / head
-    sync = max(cost.collective_time("all_reduce", 0, b) for b in stage_bytes)
+    # each stage's gradients all-reduced, then the optimizer step on its 10 tensors (two blocks of two linears,
+    # and the input layer or the head)
+    sync = max(cost.collective_time("all_reduce", 0, b) + pricing.optimizer_seconds(b, 10, cost) for b in stage_bytes)
     loss = sum(cost.collective_time("all_reduce", axis, 4) for axis in (0, 1))  # the loss, over every rank
     assert candidate.step_s == pytest.approx(2 * max(first, second) + min(first, second) + sync + loss)
     assert [row.num_params * 4 for row in candidate.rows] == stage_bytes

@@ -46,6 +46,11 @@ def _searched(program, mesh_shape, strategy, budget=None):
         return planner.searched(strategy)
 
 
+def _solved_part(plan):
+    """The estimate less the one constant the MILP leaves out: DTensor's dispatch of the optimizer step."""
+    return plan.estimated_step_time - plan.search_stats["optimizer_dispatch_s"]
+
+
 def _strategies(mesh_shape):
     return ["auto", "fully_shard", "tensor_parallel"] + (["fsdp_tp"] if len(mesh_shape) > 1 else [])
 
@@ -55,7 +60,7 @@ def test_objective_equals_estimate_of_the_returned_plan(program, mesh_shape):
     for strategy in _strategies(mesh_shape):
         plan = _searched(program, mesh_shape, strategy)
         assert plan.search_stats["mode"] == "exact"
-        assert plan.search_stats["objective_s"] == pytest.approx(plan.estimated_step_time, rel=1e-9), strategy
+        assert plan.search_stats["objective_s"] == pytest.approx(_solved_part(plan), rel=1e-9), strategy
 
 
 @pytest.mark.parametrize("mesh_shape", sorted(MESHES), ids=lambda s: "x".join(map(str, s)))
@@ -69,4 +74,4 @@ def test_objective_equals_estimate_under_a_budget_that_binds(program, mesh_shape
             assert "fits the memory budget" in str(error), error
             continue
         assert plan.peak_memory <= budget
-        assert plan.search_stats["objective_s"] == pytest.approx(plan.estimated_step_time, rel=1e-9), strategy
+        assert plan.search_stats["objective_s"] == pytest.approx(_solved_part(plan), rel=1e-9), strategy

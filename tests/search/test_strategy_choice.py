@@ -64,7 +64,8 @@ def test_small_batch_huge_weights_shards_parameters():
     dp = _plan(HUGE_WEIGHTS, strategy="data_parallel")
     weights = {name for name in plan.param_placements if name.endswith("weight")}
     assert weights <= _sharded(plan), plan.param_placements  # every weight (a bias sharded or replicated: the same step time)
-    assert plan.estimated_step_time < dp.estimated_step_time / 5  # 0.8 GB of gradients to all-reduce vs 256 KiB
+    # 0.8 GB of gradients to all-reduce vs 256 KiB; the optimizer step, on a quarter of the bytes, is priced in both
+    assert plan.estimated_step_time < dp.estimated_step_time / 2.5
     assert plan.peak_memory < dp.peak_memory / 3
     assert not any(c.phase == "grad_sync" and c.kind == "all_reduce" for c in plan.collectives)
 

@@ -65,15 +65,17 @@ def find_repeated_layers(program: CapturedProgram) -> dict[fx.Node, fx.Node]:
     """Map each tied node (and parameter) to its representative: the matching node of the layer that comes
     first in graph order (layer 0 in forward, the last layer in backward).
 
-    Each layer's segment is compared with the segment before it in graph order, so an odd layer only breaks
-    the chain there."""
+    Each layer's segment is compared with the segment of the same phase (``tie_phases``: every layer, or every
+    other bare linear layer) before it in graph order, so an odd layer only breaks the chain there."""
     representative: dict[fx.Node, fx.Node] = {}
     previous_of: dict[tuple, list[fx.Node]] = {}
+    phases = tie_phases(program)
     for (layer, backward), nodes in _segments(program).items():
         if layer is None:
             continue
-        previous = previous_of.get((layer[0], backward))
-        previous_of[(layer[0], backward)] = nodes
+        key = (layer[0], phases.get(layer, 0), backward)
+        previous = previous_of.get(key)
+        previous_of[key] = nodes
         for node, ref in zip(nodes, previous or ()):
             if node_signature(node) != node_signature(ref):
                 break
@@ -96,13 +98,33 @@ def _earliest_representatives(program: CapturedProgram, representative: dict) ->
     return result
 
 
+def tie_phases(program: CapturedProgram) -> dict[tuple, int]:
+    """Layer ``(family, index)`` → the phase the search ties it by: layers of one family and phase share their
+    layouts. Where each layer of a family holds a single matrix (bare linear layers, as in ``nn.Sequential(Linear,
+    ReLU, Linear, ...)``), the phase alternates (0, 1, 0, ...) in layer order, so consecutive layers can pair up
+    column- then row-parallel as Megatron's MLP does; else every layer is phase 0."""
+    matrices: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for name, node in program.param_nodes.items():
+        layer = layer_of_param(name)
+        if layer is not None:
+            matrices[layer[0]][layer[1]] += node.meta["val"].ndim >= 2
+    phases = {}
+    for family, counts in matrices.items():
+        alternate = len(counts) > 2 and all(n == 1 for n in counts.values())
+        phases.update({(family, index): ordinal % 2 if alternate else 0
+                       for ordinal, index in enumerate(sorted(counts))})
+    return phases
+
+
 def _tie_parameters(program: CapturedProgram, representative: dict) -> None:
     by_key = {}
+    phases = tie_phases(program)
     for name, node in program.param_nodes.items():
         layer = layer_of_param(name)
         if layer is None:
             continue
-        key = (layer[0], _LAYER_NAME.match(name).group("rest"), tuple(node.meta["val"].shape))
+        key = (layer[0], phases[layer], _LAYER_NAME.match(name).group("rest"),
+               tuple(node.meta["val"].shape))
         if key in by_key:
             representative[node] = by_key[key]
         else:

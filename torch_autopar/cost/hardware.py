@@ -18,10 +18,14 @@ from torch_autopar.errors import AutoparError
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """One kind of connection: ``latency_s`` per message hop (alpha) and ``bandwidth`` bytes/s per device."""
+    """One kind of connection: ``latency_s`` per message hop (alpha), ``bandwidth`` bytes/s per device, and
+    ``call_s`` seconds every collective costs once, whatever its hops: on gloo ranks sharing a CPU, meeting the
+    peers at the collective (their compute ends at other times, gloo's threads wake) outweighs the hops of a
+    small message, so an all_reduce of 64 KiB costs about what an all_gather does (0 on accelerators' links)."""
 
     latency_s: float
     bandwidth: float
+    call_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,7 +154,10 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=1.6e12, memory_bytes=64 * _GIB, devices_per_node=8,
         intra_node=Link(5e-6, 392 * _GB), inter_node=Link(15e-6, 25 * _GB)),
     # A 2-core x86 machine running gloo over loopback, rough figures measured here (one rank per core):
-    # ~30 GFLOP/s fp32 matmul per rank, ~10 GB/s memory, gloo ~60 us per hop and ~1.5 GB/s.
+    # ~30 GFLOP/s fp32 matmul per rank, ~10 GB/s memory, gloo ~60 us per hop and ~1.5 GB/s. Measured inside a
+    # training step (autopar.profile on 2 ranks, 5 Dec 2026) the same machine gives 117-134 GFLOP/s, 11 GB/s,
+    # a collective 1.2-1.6 ms per call whatever its kind up to 64 KiB, and ~1 GB/s; bf16 matmuls ~5.7x fp32
+    # (AMX). compile(hardware="measured") plans with such a measurement.
     "cpu-gloo": HardwareProfile(
         name="cpu-gloo", flops={"float32": 30e9, "bfloat16": 10e9}, memory_bandwidth=10 * _GB,
         memory_bytes=8 * _GIB, devices_per_node=64, intra_node=Link(60e-6, 1.5 * _GB),

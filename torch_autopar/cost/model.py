@@ -149,7 +149,7 @@ class CostModel:
         link = self.link(axis)
         beta = 1.0 / (link.bandwidth * self.hardware.comm_efficiency)
         steps, volume = ((2 * (p - 1), 2 * (p - 1) / p) if kind == "all_reduce" else ((p - 1), (p - 1) / p))
-        return steps * link.latency_s, volume * beta
+        return link.call_s + steps * link.latency_s, volume * beta
 
     def collective_time(self, kind: str, axis: int, nbytes: int) -> float:
         """Seconds for one collective of ``nbytes`` (full buffer per rank) on mesh axis ``axis``."""

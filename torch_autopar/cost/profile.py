@@ -63,25 +63,27 @@ class Sample:
     seconds: float
 
 
-def fit_alpha_beta(samples: list[Sample]) -> tuple[float, float]:
-    """(alpha seconds per step, beta seconds per byte) fitting ``samples`` to the ring formulas.
+def fit_link(samples: list[Sample]) -> Link:
+    """The ``Link`` whose formulas fit ``samples``: t = call + steps·alpha + volume·n·beta (``ring_terms``).
 
     Non-negative least squares on relative errors (each row divided by its time), so small messages, which
-    fix alpha, weigh as much as large ones, which fix beta. A coefficient the data cannot resolve (fitted as 0)
-    falls back to its upper bound from the sample that depends on it most, so both are positive."""
+    fix the latencies, weigh as much as large ones, which fix beta. Kinds with different step counts (an
+    all_reduce takes twice an all_gather's on a ring) tell a fixed cost per call from a cost per hop. A latency
+    or bandwidth the data cannot resolve (fitted as 0) falls back to its upper bound from the sample that
+    depends on it most, so both are positive."""
     if not samples:
-        raise AssertionError("fit_alpha_beta needs at least one sample")
+        raise AssertionError("fit_link needs at least one sample")
     terms = [ring_terms(s.kind, s.world) for s in samples]
-    rows = np.array([[steps, volume * s.nbytes] for (steps, volume), s in zip(terms, samples)], dtype=float)
+    rows = np.array([[1.0, steps, volume * s.nbytes] for (steps, volume), s in zip(terms, samples)], dtype=float)
     times = np.array([s.seconds for s in samples], dtype=float)
-    (alpha, beta), _ = nnls(rows / times[:, None], np.ones(len(samples)))
-    if not alpha > 0:
-        smallest = int(np.argmin(rows[:, 1] / rows[:, 0]))
-        alpha = times[smallest] / rows[smallest, 0]
+    (call, alpha, beta), _ = nnls(rows / times[:, None], np.ones(len(samples)))
+    if not call + alpha > 0:
+        smallest = int(np.argmin(rows[:, 2] / rows[:, 1]))
+        alpha = times[smallest] / rows[smallest, 1]
     if not beta > 0:
-        largest = int(np.argmax(rows[:, 1] / rows[:, 0]))
-        beta = times[largest] / rows[largest, 1]
-    return float(alpha), float(beta)
+        largest = int(np.argmax(rows[:, 2] / rows[:, 1]))
+        beta = times[largest] / rows[largest, 2]
+    return Link(latency_s=float(alpha), bandwidth=1.0 / float(beta), call_s=float(call))
 
 
 # devices -----------------------------------------------------------------------------------------------------
@@ -294,8 +296,7 @@ def profile(path=None, *, sizes=DEFAULT_SIZES, base=None, matmul_size: int | Non
     intra, inter = base.intra_node, base.inter_node
     source = "measured (compute only: one process, links from the base profile)"
     if world > 1:
-        alpha, beta = fit_alpha_beta(measure_collectives(device, sizes, repeats))
-        link = Link(latency_s=alpha, bandwidth=1.0 / beta)
+        link = fit_link(measure_collectives(device, sizes, repeats))
         one_node = world <= local_world
         intra, inter = (link, inter) if one_node else (intra, link)
         source = f"measured (compute and {'intra' if one_node else 'inter'}-node collectives)"

@@ -26,6 +26,8 @@ class Estimate:
     weights: dict = field(default_factory=dict)
     forward_compute: float = 0.0
     backward_compute: float = 0.0
+    optimizer: float = 0.0
+    """Seconds of the optimizer step on this device's parameter shards (``add_optimizer``)."""
     collectives: list[PlannedCollective] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
     exposed_comm: float = 0.0
@@ -42,7 +44,7 @@ class Estimate:
 
     @property
     def compute(self) -> float:
-        return self.forward_compute + self.backward_compute
+        return self.forward_compute + self.backward_compute + self.optimizer
 
     @property
     def step_time(self) -> float:
@@ -96,6 +98,13 @@ def add_compute(estimate: Estimate, program: CapturedProgram, sharding: Sharding
             estimate.backward_compute += seconds
         else:
             estimate.forward_compute += seconds
+
+
+def add_optimizer(estimate: Estimate, params: dict, placements: dict, cost: CostModel) -> None:
+    """The optimizer step on each parameter's shard (``cost.pricing.optimizer_seconds``), the MILP's cost of a
+    parameter's layout. ``params``: name → ``TensorInfo``; ``placements``: name → the placements it is kept in."""
+    held = sum(info.nbytes // cost.shard_factor(placements[name]) for name, info in params.items())
+    estimate.optimizer = pricing.optimizer_seconds(held, len(params), cost)
 
 
 def _moved_value(node: fx.Node, arg_index: int) -> fx.Node:

@@ -78,7 +78,7 @@ class Executing:
         params = {name: parse_placements(plan.param_placements[name]) for name in self.program.param_nodes}
         sharding = sharding_from_layouts(self.program, plan.node_layouts, self.mesh, self.full_batch)
         result = self._plan(plan.strategy, sharding, params)
-        result.search_stats = dict(plan.search_stats)
+        result.search_stats = {**plan.search_stats, **_priced_here(result)}
         result.notes = list(plan.notes)
         if result.collectives != plan.collectives:
             result.notes.append(f"priced from its node layouts: {len(result.collectives)} collectives, "
@@ -146,7 +146,8 @@ class Executing:
         result.module_layouts = dict(boundaries)
         result.param_compute_placements = {name: format_placements(p) for name, p in computed.items()}
         off_plan = _off_plan_ops(program, plan.node_layouts, result.node_layouts) if boundaries else []
-        result.search_stats = {**plan.search_stats, "planned_step_time": plan.estimated_step_time,
+        result.search_stats = {**plan.search_stats, **_priced_here(result),
+                               "planned_step_time": plan.estimated_step_time,
                                "executed_as": "DTensor propagation of the plan's placements"
                                + (" between its module boundaries" if boundaries else ""), "off_plan_ops": off_plan}
         result.notes = plan.notes + [
@@ -304,3 +305,9 @@ def read_by_backward(program: CapturedProgram, param: fx.Node) -> bool:
             if user.op == "call_function" and (is_free(user) or user.target in pricing.CASTS):
                 pending.append(user)
     return False
+
+
+def _priced_here(plan: Plan) -> dict:
+    """The figures of ``plan``'s own pricing that a re-priced plan keeps over the plan it was made from."""
+    stats = plan.search_stats
+    return {key: stats[key] for key in ("optimizer_s", "optimizer_dispatch_s", "dtensor_dispatch_s") if key in stats}

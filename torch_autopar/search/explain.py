@@ -80,8 +80,10 @@ def explain(plan) -> str:
     lines += _pipeline_lines(plan) if plan.pipeline_stages > 1 else []
     lines += _collective_summary(plan)
     lines.append(f"gradient buckets: {len(plan.grad_buckets)}")
-    lines.append(f"estimated step time: {_seconds(plan.estimated_step_time)} (compute {_seconds(plan.compute_time)}, "
-                 f"exposed communication {_seconds(plan.exposed_comm_time)})")
+    optimizer = plan.search_stats.get("optimizer_s")
+    lines.append(f"estimated step time: {_seconds(plan.estimated_step_time)} (compute {_seconds(plan.compute_time)}"
+                 + (f" with the optimizer step's {_seconds(optimizer)}" if optimizer else "")
+                 + f", exposed communication {_seconds(plan.exposed_comm_time)})")
     breakdown = ", ".join(f"{k} {_bytes(v)}" for k, v in plan.memory_breakdown.items())
     lines.append(f"peak memory per device: {_bytes(plan.peak_memory)} ({breakdown})")
     lines += _recompute_lines(plan)

@@ -15,10 +15,11 @@ The search, Alpa's inter-op formulation with one sub-mesh of world / p ranks per
               M micro-batches (M divides a replica's batch; torch's schedules' own limits: 1F1B needs M >= p),
               and the layout inside each stage over its world / p ranks ("data_parallel": whole stage, gradients
               all-reduced; "fully_shard": parameters, gradients and Adam state sharded, gathered for the step)
-  objective   step = M · max_r t_r + (Σ_r t_r − max_r t_r) / d + max_r sync_r, where t_r is pipeline rank r's
+  objective   step = M · max_r t_r + (Σ_r t_r − max_r t_r) / d + max_r (sync_r + opt_r), where t_r is pipeline rank r's
               time per micro-batch (its stages' forward + backward compute plus the activation sends and their
               gradients to the next stage, point-to-point over the cost model's pipeline link) and sync_r its
-              stages' gradient synchronisation (and gathers) and its tied-parameter sums once per step, plus the
+              stages' gradient synchronisation (and gathers) and its tied-parameter sums once per step, opt_r
+              its optimizer step on the parameters it holds (``cost.pricing.optimizer_seconds``), plus the
               loss's all-reduce; d = v (3v for zero-bubble: ``BUBBLE_SHRINK``); d = 1 gives Alpa's
               Σ stage times + (M − 1) × slowest stage (``step_seconds``)
   constraint  memory of every pipeline rank <= the budget: its stages' parameters, gradients and Adam state in
@@ -51,7 +52,7 @@ from torch_autopar import _compat
 from torch_autopar.capture.modules import (POST, PRE, TopLevel, UnitCost, assign_units, measure_units,
                                            trace_top_level, unit_modules)
 from torch_autopar.capture.program import TensorInfo, params_fingerprint
-from torch_autopar.cost import CostModel, HardwareProfile
+from torch_autopar.cost import CostModel, HardwareProfile, pricing
 from torch_autopar.errors import AutoparError
 from torch_autopar.search.estimate import ADAM_STATE_PER_PARAM
 from torch_autopar.search.explain import _bytes
@@ -334,7 +335,7 @@ def _send_seconds(cost_model: CostModel, nbytes: float) -> float:
     if nbytes == 0:
         return 0.0
     link = cost_model.link(1)
-    return link.latency_s + nbytes / (link.bandwidth * cost_model.hardware.comm_efficiency)
+    return link.call_s + link.latency_s + nbytes / (link.bandwidth * cost_model.hardware.comm_efficiency)
 
 
 def _stage_memory(param_bytes: int, activations: float, layout: str, dp: int) -> dict[str, int]:
@@ -346,6 +347,13 @@ def _stage_memory(param_bytes: int, activations: float, layout: str, dp: int) ->
     return {"parameters": held, "gathered_parameters": param_bytes - held,
             "gradients": held + (param_bytes if held != param_bytes else 0),
             "optimizer": ADAM_STATE_PER_PARAM * held, "activations": int(activations)}
+
+
+def _stage_optimizer(held: int, tensors: int, layout: str, cost_model: CostModel) -> float:
+    """The optimizer step on a stage's ``held`` parameter bytes; FSDP2 keeps a fully-sharded stage's parameters
+    as DTensors, so each of its kernels goes through DTensor's dispatch too."""
+    dispatch = pricing.ADAMW_UPDATE_OPS * tensors * cost_model.hardware.dtensor_overhead_s
+    return pricing.optimizer_seconds(held, tensors, cost_model) + (dispatch if layout == "fully_shard" else 0.0)
 
 
 def _shard_bytes(entry: tuple[int, int, int], dp: int) -> int:
@@ -468,7 +476,7 @@ def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, l
     names = unit_modules(measured.top, measured.unit)
     result = Candidate(ranks=ranks, schedule=schedule, microbatches=microbatches, layout=layout, cuts=cuts,
                        global_batch=global_batch, world_size=world_size)
-    compute, sends, sync = [0.0] * ranks, [0.0] * ranks, [0.0] * ranks
+    compute, sends, sync, optimizer = [0.0] * ranks, [0.0] * ranks, [0.0] * ranks, [0.0] * ranks
     memory: list[dict[str, int]] = [{} for _ in range(ranks)]
     stages = _stages(measured, cuts, names)
     for s, stage in enumerate(stages):
@@ -481,6 +489,7 @@ def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, l
         if layout == "fully_shard":
             moves += _stage_sync(_gathered_bytes(stage.params, dp), layout, cost_model, f"stage{s}")
         compute[rank] += stage_compute
+        optimizer[rank] += _stage_optimizer(stage_memory["parameters"], len(stage.params), layout, cost_model)
         sends[rank] += sum(c.seconds for c in moves if c.kind == "send")
         sync[rank] += sum(c.seconds for c in moves if c.kind != "send")
         result.collectives += moves
@@ -498,10 +507,10 @@ def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, l
         for rank in map(int, move.axis.removeprefix("tied").split(",")):
             sync[rank] += move.seconds
         result.collectives.append(move)
-    result.compute_s = step_seconds(compute, microbatches, schedule)
+    result.compute_s = step_seconds(compute, microbatches, schedule) + max(optimizer)
     result.collectives.append(_loss_reduce(cost_model))
-    result.step_s = step_seconds([c + s for c, s in zip(compute, sends)], microbatches, schedule) + max(sync) + \
-        result.collectives[-1].seconds
+    result.step_s = (step_seconds([c + s for c, s in zip(compute, sends)], microbatches, schedule)
+                     + max(s + o for s, o in zip(sync, optimizer)) + result.collectives[-1].seconds)
     result.memory_breakdown = max(memory, key=lambda m: sum(m.values()))
     result.peak_memory = sum(result.memory_breakdown.values())
     return result

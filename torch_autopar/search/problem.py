@@ -2,11 +2,11 @@
 
 A decision is a representative node plus the nodes tied to it (repeated layers, ``getitem`` of a multi-output
 node). Choosing strategy ``a`` for a decision places every member accordingly. Costs are seconds from
-``CostModel``: compute of each strategy, resharding between a producer's output and the placement a consumer's
-strategy needs (summed over all tied edges), gradient synchronisation (gradient placement → parameter placement)
-and tangent layout (forward output → its tangent), each priced by ``cost.pricing`` as a plan's estimate prices
-it. Building stops once the problem is too large to solve exactly (``ProblemTooLarge``). Must never solve
-anything.
+``CostModel``: compute of each strategy, the optimizer step on a parameter's shard, resharding between a
+producer's output and the placement a consumer's strategy needs (summed over all tied edges), gradient
+synchronisation (gradient placement → parameter placement) and tangent layout (forward output → its tangent),
+each priced by ``cost.pricing`` as a plan's estimate prices it. Building stops once the problem is too large to
+solve exactly (``ProblemTooLarge``). Must never solve anything.
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class _Builder:
         self.id_cache: dict = {}
         self.matrix_cache: dict = {}
         self.copies = pricing.memory_copies(program, recomputed)
+        self.params = set(program.param_nodes.values())
         self.flops: dict[fx.Node, float] = {}
 
     def build(self) -> ShardingProblem:
@@ -222,6 +223,9 @@ class _Builder:
             if node in self.program.input_nodes.values():
                 value = node.meta["val"]
                 return np.array([self.reshard(self.arrival(node), s.output, nbytes(value)) for s in strategies])
+            if node in self.params:  # the optimizer step on the shard this layout keeps
+                return np.array([pricing.optimizer_seconds(pricing.local_nbytes(node.meta["val"], s.output, self.cost),
+                                                           1, self.cost) for s in strategies])
             return np.zeros(len(strategies))
         return np.array([self._compute(node, s) for s in strategies])
 
