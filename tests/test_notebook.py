@@ -39,11 +39,12 @@ def _text(cell) -> str:
 
 
 @pytest.fixture(scope="module")
-def executed():
+def executed(tmp_path_factory):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     notebook.cells.append(nbformat.v4.new_code_cell(PROBE))  # which torch_autopar the kernel imported
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    kernel = KernelManager(kernel_name="python3", transport="ipc")  # a local socket file, not TCP
+    sockets = tmp_path_factory.mktemp("kernel") / "ipc"  # local socket files, not TCP, and not in the checkout
+    kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(sockets))
     client = nbclient.NotebookClient(notebook, km=kernel, timeout=240, resources={"metadata": {"path": str(REPO)}})
     client.execute(env=env)
     return notebook

@@ -1,8 +1,10 @@
 """A plan's node layouts are the program: edited by hand, they run, equal one process, and the plan prices
 exactly the collectives the edit implies, in both modes.
 
-On 2 gloo ranks, the searched fully_shard plan of the test MLP computes with sharded weights (activations
-S(1), gathered to R before each ReLU). Two edits:
+On 2 gloo ranks, the test MLP's parameters are stored as fully_shard stores them (S(0)) and the search is left
+free to compute with them sharded, as it does (activations S(1), gathered to R before each ReLU): fully_shard
+itself gathers every parameter where it is used (``strategies.roles.gathered_uses``), which the search here is
+relieved of, so that the edits below start from a plan that moves activations. Two edits:
   "weight gathered"  ``t`` (layers.0's weight, transposed) made replicated: graph mode gathers the weight after
                      the transpose (one forward all_gather of the 8 KiB weight); in eager mode ``t`` lies
                      inside layers.0, where DTensor places the ops, so nothing changes and ``t`` is listed as
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from unittest import mock
 
 import pytest
 
@@ -46,8 +49,9 @@ def _edit(plan: autopar.Plan, edit: str) -> autopar.Plan:
 def _run(rank, world, mode, edit):
     model = support.build_model("mlp")
     x, _ = support.global_batch("mlp", 0)
-    searched = autopar.plan(model, (x,), mesh_shape=(world,), strategy="fully_shard", hardware="cpu-gloo",
-                            fold_layers=False, mode=mode)
+    with mock.patch("torch_autopar.search.planner.gathered_uses", lambda roles: lambda positions, strategies: None):
+        searched = autopar.plan(model, (x,), mesh_shape=(world,), strategy="fully_shard", hardware="cpu-gloo",
+                                fold_layers=False, mode=mode)
     pmodel = autopar.compile(model, x.chunk(world)[rank], strategy=_edit(searched, edit), mode=mode)
     optimizer = support.make_optimizer("adamw", pmodel.parameters())
     losses, counts = [], []

@@ -101,8 +101,8 @@ def _fsdp2(model: nn.Module, world: int) -> nn.Module:
 
 def _gathering_plan(name: str, world: int, reshard_after_forward: bool) -> autopar.Plan:
     """The fully_shard plan's parameter placements run as FSDP2 runs them: every parameter sharded over the
-    batch gathered for compute (a plan without node layouts; with them, eager mode computes each parameter in
-    the layout the search chose, which may keep a weight sharded and gather activations instead)."""
+    batch gathered for compute, and activations as DTensor places them from batch-split inputs (a plan without
+    node layouts: the search's own layouts may also gather a small batch's activations)."""
     plan = autopar.plan(_model(name), (_batch(name, 0)[0],), mesh_shape=(world,), strategy="fully_shard",
                         hardware="cpu-gloo", fold_layers=False, mode="eager",
                         reshard_after_forward=reshard_after_forward)
@@ -254,10 +254,11 @@ def test_a_second_backward_through_a_retained_graph_gathers_again():
     assert run_on_ranks(_backward_twice, 2, timeout_s=300) == [0.0, 0.0]
 
 
-def _gpt_collectives(rank: int, world: int, reshard: bool) -> tuple[list, Counter]:
+def _gpt_collectives(rank: int, world: int, reshard: bool, searched: bool) -> tuple[list, Counter]:
     model = _model("gpt")
     x, y = (t.chunk(world)[rank] for t in _batch("gpt", 0))
-    pmodel = autopar.compile(model, x, strategy=_gathering_plan("gpt", world, reshard), mode="eager")
+    strategy = "fully_shard" if searched else _gathering_plan("gpt", world, reshard)
+    pmodel = autopar.compile(model, x, strategy=strategy, mode="eager", reshard_after_forward=reshard)
     counted = []
     for _ in range(2):
         counter = CollectiveCounter(pmodel.mesh)
@@ -267,12 +268,15 @@ def _gpt_collectives(rank: int, world: int, reshard: bool) -> tuple[list, Counte
     return counted, planned_summary(pmodel.plan)
 
 
+@pytest.mark.parametrize("searched", (False, True), ids=("fsdp_rule", "searched"))
 @pytest.mark.parametrize("reshard", (True, False), ids=("reshard", "keep_gathered"))
-def test_gpt_step_runs_one_gather_and_one_reduce_scatter_per_group_as_planned(reshard):
+def test_gpt_step_runs_one_gather_and_one_reduce_scatter_per_group_as_planned(reshard, searched):
+    """Also for the plan the search returns for fully_shard: it takes every parameter whole where it is used
+    (a linear's weight through its transpose), so eager mode moves exactly FSDP2's collectives."""
     groups = GPT_CONFIG.n_layer + 1  # the blocks and the root (embeddings, final norm; the head is tied)
     expected = {"all_gather": groups + (GPT_CONFIG.n_layer if reshard else 0), "reduce_scatter": groups,
                 "all_reduce": 1}  # the batch-size check
-    for rank, (counted, planned) in enumerate(run_on_ranks(_gpt_collectives, 2, reshard, timeout_s=300)):
+    for rank, (counted, planned) in enumerate(run_on_ranks(_gpt_collectives, 2, reshard, searched, timeout_s=300)):
         kinds = Counter()
         for (kind, _, _), count in planned.items():
             kinds[kind] += count

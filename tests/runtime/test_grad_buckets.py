@@ -9,6 +9,8 @@ GPT's reduce-scatter buckets with Inductor as the code generator (C++ compiled o
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -105,8 +107,15 @@ def _run_case(rank, label, strategy, cap, mixed_precision=None, mode="graph"):
     sharded = pmodel.mesh is not None
     return {"losses": losses, "params": {name: state[name].clone() for name, _ in model.named_parameters()},
             "counted": counts, "planned": _planned(pmodel.plan, sharded), "sharded": sharded,
-            "buckets": pmodel.plan.grad_buckets,
+            "buckets": pmodel.plan.grad_buckets, "bucket_numels": _scattered_numels(model, pmodel.plan.grad_buckets),
             "buckets_planned": _tally_planned(c for c in pmodel.plan.collectives if c.phase == "grad_sync")}
+
+
+def _scattered_numels(model, buckets) -> list[int]:
+    """Elements of each bucket's flat buffer were its gradients reduce-scattered on dim 0 over the ranks (each
+    gradient's rows padded to equal chunks)."""
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    return [sum(-(-shapes[n][0] // WORLD) * WORLD * shapes[n][1:].numel() for n in bucket) for bucket in buckets]
 
 
 def _job(rank, world):
@@ -163,11 +172,9 @@ def test_buckets_equal_one_process_and_the_plan(results, case):
 
 def test_buckets_reduce_in_the_policy_reduce_dtype_as_planned(results):
     """Under mixed precision the buckets (and any gradient moved alone) reduce in ``reduce_dtype``: the reductions
-    the program runs are those the plan lists (bf16: half of fp32's bytes), and the losses equal eager mode's
-    under the same policy (which casts each gradient before DTensor reduces it). (Forward gathers are left out:
-    two of them still run in fp32 where the plan prices bf16.)"""
-    status, fp32 = results[("gpt", "fully_shard", None)][0]
-    assert status == "ok", fp32
+    the program runs are those the plan lists (a bucket's reduce-scatter moves 2 bytes an element), and the losses
+    equal eager mode's under the same policy (which casts each gradient before DTensor reduces it). (Forward
+    gathers are left out: two of them still run in fp32 where the plan prices bf16.)"""
     for rank, ((status, run), (eager_status, eager)) in enumerate(zip(results[("bf16_reduce", "graph")],
                                                                        results[("bf16_reduce", "eager")])):
         assert status == eager_status == "ok", f"rank {rank}: {status}: {run}; eager: {eager_status}: {eager}"
@@ -176,9 +183,10 @@ def test_buckets_reduce_in_the_policy_reduce_dtype_as_planned(results):
             assert reductions(counted) == reductions(run["planned"]), \
                 f"rank {rank} step {step}: ran {sorted(counted.items())}, planned {sorted(run['planned'].items())}"
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(eager["losses"]), rtol=1e-3, atol=0)
-    scatters = lambda planned: {key: n for key, n in planned.items() if key[0] == "reduce_scatter"}  # noqa: E731
-    bf16, fp32 = scatters(run["buckets_planned"]), scatters(fp32["buckets_planned"])
-    assert {(kind, axis, 2 * nbytes): n for (kind, axis, nbytes), n in bf16.items()} == fp32, (bf16, fp32)
+    scattered = collections.Counter({nbytes: n for (kind, _, nbytes), n in run["buckets_planned"].items()
+                                     if kind == "reduce_scatter"})
+    in_bf16 = collections.Counter(2 * numel for numel in run["bucket_numels"])
+    assert scattered and scattered <= in_bf16, (scattered, in_bf16)
 
 
 def _inductor_job(rank, world):

@@ -17,7 +17,9 @@ import torch
 
 import torch_autopar as autopar
 from torch_autopar.api import module_fingerprint
+from torch_autopar.capture import capture
 from torch_autopar.cost import CostModel, get_profile
+from torch_autopar.strategies.param_gathers import is_element_view
 from torch_autopar.testing.models import GPT, GPTConfig, MLP
 from tests.search.test_milp_by_hand import HARDWARE as BY_HAND
 
@@ -168,3 +170,33 @@ def test_auto_on_256_ranks_is_no_slower_than_data_parallel(gpt, dp_plan):
     assert plan.estimated_step_time <= dp_plan.estimated_step_time * (1 + 1e-9)
     if set(plan.param_placements.values()) == {("R", "R", "R")}:
         assert {(c.kind, c.phase) for c in plan.collectives} == {("all_reduce", "grad_sync")}
+
+
+
+@pytest.mark.parametrize("mesh_shape,strategy", [((4,), "fully_shard"), ((2, 2), "fsdp_tp")])
+def test_fully_sharded_axes_take_every_parameter_whole_where_it_is_used(mesh_shape, strategy):
+    """Four sequences: cheaper to move activations than weights, yet each op that reads a parameter (a linear
+    through its transposed weight, the tied head, an embedding, a norm) takes it replicated on every fsdp axis,
+    as FSDP computes: the runtime then gathers a layer's parameters together."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=64))
+    tokens = torch.empty(4, 16, dtype=torch.long, device="meta")
+    plan = autopar.plan(model, tokens, mesh_shape=mesh_shape, hardware="cpu-gloo", strategy=strategy,
+                        fold_layers=False, mode="graph")
+    program = capture(model, (tokens,))
+    fsdp_axes = range(len(mesh_shape) - (strategy == "fsdp_tp"))
+    reads = {node: node for node in program.param_nodes.values()}  # a node → the parameter it views
+    uses = 0
+    for node in program.graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        sources = [arg for arg in node.all_input_nodes if arg in reads]
+        if is_element_view(node) and len(node.all_input_nodes) == 1 and sources:
+            reads[node] = reads[sources[0]]
+            continue
+        layout = plan.node_layouts[node.name]
+        for arg, wanted in zip(node.all_input_nodes, layout.inputs):
+            if arg in reads and wanted is not None:
+                uses += 1
+                assert all(wanted[axis] == "R" for axis in fsdp_axes), (node.name, arg.name, wanted)
+    assert uses >= 20

@@ -28,7 +28,7 @@ import contextlib
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
@@ -155,6 +155,45 @@ class _AverageOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad / ctx.slices, None
+
+
+def local_batch_outputs(output, mesh: DeviceMesh):
+    """The outputs of a call computed on local tensors (``Plan.local_compute``: each is this rank's rows of a
+    batch output), each gradient averaged over ranks as ``outputs_to_local`` averages a batch output's."""
+    def averaged(leaf):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return _AverageOverRanks.apply(leaf, mesh.size())
+        return leaf
+
+    return pytree.tree_map(averaged, output)
+
+
+class _LocalOf(torch.autograd.Function):
+    """A replicated DTensor → a plain tensor on the same storage; backward: the gradient as a partial sum over
+    every axis (each rank computed on its slice of the batch), as DTensor's backward leaves a parameter's."""
+
+    @staticmethod
+    def forward(ctx, whole):
+        ctx.whole = (whole.device_mesh, whole.shape, whole.stride(), len(whole.placements))
+        held = whole.to_local()
+        alias = held.new_empty(0)
+        return alias.set_(held.untyped_storage(), held.storage_offset(), held.shape, held.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        mesh, shape, stride, axes = ctx.whole
+        return DTensor.from_local(grad, mesh, tuple(Partial() for _ in range(axes)), run_check=False, shape=shape,
+                                  stride=stride)
+
+
+def local_view(value):
+    """A replicated DTensor (a parameter or buffer computed whole) as the plain tensor it holds, its gradient a
+    partial sum over every axis; anything else as it is. The tensor aliases the DTensor's storage without being
+    a view of it, so the views autograd saves of it keep it alive: a fully-sharded group whose buffer is freed
+    after forward sees it still needed (``runtime.flat.Gathered.track``) and refills it before backward."""
+    if not isinstance(value, DTensor):
+        return value
+    return _LocalOf.apply(value)
 
 
 def leaving(value, mesh: DeviceMesh, global_batch: int | None, full_batch: bool = False) -> tuple:

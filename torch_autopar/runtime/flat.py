@@ -232,6 +232,12 @@ class Gathered:
         """The flat buffer this backward's gradients are collected in (``FlatGroup.collect``)."""
         self.collected: set[int] = set()
 
+    def track(self, whole: DTensor, local: torch.Tensor) -> None:
+        """``local``, the plain tensor a local computation reads for ``whole`` (``Plan.local_compute``), keeps
+        the buffer needed as ``whole``'s own local tensor does."""
+        if any(view() is whole._local_tensor for view in self.views):
+            self.views.append(weakref.ref(local))
+
     def reduced(self, *unused) -> None:
         if self.after_reduce is not None:
             self.after_reduce()

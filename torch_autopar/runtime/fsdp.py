@@ -46,6 +46,7 @@ import torch
 
 from torch_autopar import _compat
 from torch_autopar.capture.layers import reshard_groups
+from torch_autopar.rewrite.placement import local_view
 from torch_autopar.runtime.flat import GroupGather
 from torch_autopar.runtime.precision import MixedPrecision
 from torch_autopar.runtime.recompute import wrap_inside_checkpoint
@@ -95,6 +96,9 @@ class FullyShardedGroups:
     def __init__(self, module: torch.nn.Module, gathered: dict, policy: MixedPrecision | None, reshard: bool):
         self.enabled = False
         """Set by the runner for its eager calls only."""
+        self.local_compute = False
+        """Set by the runner for a plan that computes on local tensors (``Plan.local_compute``): each group's
+        parameters go into its forward as the plain tensors they hold."""
         self.policy = policy
         self.params = dict(module.named_parameters())
         self.names = grouped_names(module)
@@ -136,10 +140,12 @@ class FullyShardedGroups:
 
     def whole_parameters(self) -> dict:
         """Name → tensor, for the runner's call: the root's parameters (cast, gathered by one all_gather per
-        flat group), and every group's when groups do not reshard."""
+        flat group), and every group's when groups do not reshard; plain local tensors under
+        ``local_compute``."""
         computed = {}
         for group in ("",) if self.reshard else tuple(self.gathers):
-            computed.update(self.gathers[group].compute()[0])
+            wholes, gathered = self.gathers[group].compute()
+            computed.update(_local(wholes, gathered) if self.local_compute else wholes)
         return computed
 
     def _wrap(self, forward, layer: torch.nn.Module, group: str):
@@ -156,6 +162,8 @@ class FullyShardedGroups:
                 if not recompute:
                     self._seen.append(group)
                     self._prefetch_after(group)
+            if self.local_compute:
+                computed = _local(computed, gathered)
             with _compat.reparametrized(layer, {n[len(prefix):]: t for n, t in computed.items()}):
                 output = forward(*args, **kwargs)
             if recompute or not torch.is_grad_enabled():  # a recompute: kept for this backward only
@@ -186,3 +194,15 @@ class FullyShardedGroups:
         for i, leaf in zip(carrying, routed):
             leaves[i] = leaf
         return pytree.tree_unflatten(leaves, spec)
+
+
+def _local(wholes: dict, gathered: list) -> dict:
+    """Name → the plain tensor each whole parameter holds (``Plan.local_compute``), tracked by the buffer it
+    views so that backward refills that buffer as it would for the whole parameter."""
+    locals_ = {}
+    for name, whole in wholes.items():
+        locals_[name] = local_view(whole)
+        for one in gathered:
+            if isinstance(whole, torch.distributed.tensor.DTensor):
+                one.track(whole, locals_[name])
+    return locals_

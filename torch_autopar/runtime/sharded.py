@@ -2,7 +2,8 @@
 
 Eager: the user's ``forward`` runs op by op on DTensor parameters; hooks move each submodule's inputs and
 outputs to the plan's layouts (``rewrite.module_hooks``) and DTensor places the ops between them (prints and
-breakpoints work; a print shows a DTensor). A fully-sharded plan's eager calls gather each group's parameters
+breakpoints work; a print shows a DTensor). A plan whose ops move nothing but parameters (``Plan.local_compute``)
+runs them on plain local tensors, as FSDP2 does. A fully-sharded plan's eager calls gather each group's parameters
 (each layer, and the root once per call) by one all_gather and reduce-scatter their gradients by one
 reduce_scatter, each layer around its forward and backward only (``runtime.fsdp``; ``Plan.reshard_after_forward``). Graph: the plan's
 per-rank program (``rewrite.program``: every node in its planned layout, explicit collectives; each parameter
@@ -122,9 +123,13 @@ class ShardedRunner:
         elif self.gathered:
             self.groups = FullyShardedGroups(self.module, self.gathered, self.mixed_precision,
                                              self.plan.reshard_after_forward)
+        if self.groups is not None:
+            self.groups.local_compute = self.plan.local_compute
 
     def forward(self, *args, **kwargs):
         """One call on this rank's slice: global DTensor inputs → the user's forward → this rank's outputs."""
+        if self.plan.local_compute and self.groups is not None and self.groups.enabled:
+            return self._local_forward(args, kwargs)
         full = self.plan.full_batch
         batch = placement.global_batch_size(args, kwargs, 1 if full else self.world_size)
         global_args, global_kwargs = placement.inputs_to_global(args, kwargs, self.mesh, self.plan.input_placements,
@@ -138,6 +143,19 @@ class ShardedRunner:
             else:
                 output = self.module(*global_args, **global_kwargs)
         return placement.outputs_to_local(output, self.mesh, batch, full)
+
+    def _local_forward(self, args: tuple, kwargs: dict):
+        """One call as FSDP2 runs it (``Plan.local_compute``): this rank's slice through the user's forward on
+        plain tensors, each group's parameters gathered whole (``runtime.fsdp``), the rest of the parameters and
+        the buffers replicated, as their local tensors; no DTensor dispatch."""
+        with self.groups.call():
+            whole = self.groups.whole_parameters()
+            grouped = {name for group, names in self.groups.names.items() for name in names}
+            tensors = {name: whole[name] if name in whole else placement.local_view(param)
+                       for name, param in self._params.items() if name in whole or name not in grouped}
+            tensors.update((name, placement.local_view(buffer)) for name, buffer in self.module.named_buffers())
+            output = torch.func.functional_call(self.module, tensors, args, kwargs, strict=False)
+        return placement.local_batch_outputs(output, self.mesh)
 
     def run(self, args, kwargs, mode: str, stats: dict):
         if not self.plan.full_batch:  # full batches are checked to be equal by the caller

@@ -122,6 +122,7 @@ class Executing:
             for backward in (False, True) if flat.group in regathered and again & set(flat.names) else (False,):
                 self._note_move(sharding, program.param_nodes[first], params[first], computed[first], backward,
                                 nbytes=flat.nbytes)
+        local = self._runs_locally(sharding, computed, seeds)
         for node in program.input_nodes.values():
             self._note_move(sharding, node, self._arrival(node), seeds[node], False)
         for output in program.output_nodes.values():
@@ -141,7 +142,14 @@ class Executing:
                             flat_grads=self._flat_gathers(real(program.params), real(params), real(computed)))
         result.reshard_after_forward = plan.reshard_after_forward
         self._storage_memory(result, params, computed, regathered, flats)
-        self._dispatch_overhead(result)
+        result.local_compute = local and all(
+            tuple(sharding.returned.get(o, sharding.specs.get(o)).placements) == arrival
+            for o in program.output_nodes.values() if isinstance(o.meta.get("val"), torch.Tensor))
+        if result.local_compute:
+            result.notes.append("eager mode: every op computes on local tensors (each parameter whole, the batch "
+                                "split), as FSDP2 runs: no DTensor dispatch")
+        else:
+            self._dispatch_overhead(result)
         result.collectives.append(self._batch_check())
         result.module_layouts = dict(boundaries)
         result.param_compute_placements = {name: format_placements(p) for name, p in computed.items()}
@@ -159,6 +167,26 @@ class Executing:
             result.notes.append(f"eager mode: {len(off_plan)} ops run in another layout than planned (priced as they "
                                 "run): " + ", ".join(off_plan[:8]) + (", ..." if len(off_plan) > 8 else ""))
         return result
+
+    def _runs_locally(self, sharding, computed: dict, seeds: dict) -> bool:
+        """Whether eager mode may run the ops on local tensors (``Plan.local_compute``), judged on DTensor's
+        placement of them once the parameters' moves are noted: every parameter computed replicated, every
+        input split on every axis, no move but the parameters' (so no activation is ever partial or gathered),
+        no random op (DTensor draws a shard's numbers as one process would; a local op would not) and no batch
+        statistics."""
+        program, arrival = self.program, boundary.batch_arrival(self.mesh.ndim)
+        if self.mode == "graph" or self.full_batch or program.buffer_updates:
+            return False
+        if any(any(not p.is_replicate() for p in placements) for placements in computed.values()):
+            return False
+        if any(tuple(seeds[node]) != arrival for node in program.input_nodes.values()
+               if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].ndim):
+            return False
+        params = {node.name for node in program.param_nodes.values()}
+        if any(move.node not in params for move in sharding.redistributions):
+            return False
+        return not any(node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+                       for node in program.graph.graph.nodes)
 
     def _runs_as_laid_out(self, plan: Plan) -> bool:
         """Whether ``plan``'s node layouts are this program's and agree with its parameter placements (a plan

@@ -7,8 +7,8 @@ between those boundaries DTensor's rules decide, and the planner prices exactly 
 rules with the same boundaries pinned (``pins``, used by ``Planner.executed``).
 
   module_layouts  the plan's node layouts → per submodule path, the ``ModuleLayout`` the hooks apply
-  compute_layouts the plan's node layouts → per parameter, the layout its first forward op takes it in (what
-                  eager mode moves it to before the forward)
+  compute_layouts the plan's node layouts → per parameter, the layout its first forward op takes it in,
+                  through views and casts (what eager mode moves it to before the forward)
   pins            module layouts → the per-(module, value) layouts propagation applies at each boundary
 Must never choose a layout: it only reads the plan's.
 """
@@ -19,8 +19,11 @@ import torch
 import torch.fx as fx
 
 from torch_autopar.capture import CapturedProgram
+from torch_autopar.capture.layers import CASTS
 from torch_autopar.capture.scopes import in_forward, module_scopes
 from torch_autopar.search.plan import ModuleLayout, NodeLayout, is_one_tensor_layout
+from torch_autopar.strategies.param_gathers import is_element_view, root_target
+from torch_autopar.strategies.placements import format_placements, parse_placements
 from torch_autopar.strategies.propagate import ModulePins
 
 
@@ -64,17 +67,43 @@ def module_layouts(program: CapturedProgram, layouts: dict[str, NodeLayout]) -> 
 
 
 def compute_layouts(program: CapturedProgram, layouts: dict[str, NodeLayout]) -> dict[str, tuple]:
-    """Parameter name (as captured) → the layout the plan's first forward op using it takes it in."""
+    """Parameter name (as captured) → the layout the plan's first forward op using it takes it in. An op that
+    reads the parameter through element views or its cast (a linear's transposed weight) takes it as
+    ``strategies.param_gathers`` gathers it: replicated on each axis where the op takes the view whole."""
+    params = {node: name for name, node in program.param_nodes.items()}
+    root_of: dict[fx.Node, fx.Node] = {}
+    """View or cast node → the parameter it reads (``gathered_root``'s chains)."""
     computed = {}
-    for name, param in program.param_nodes.items():
-        for user in param.users:  # in graph order
-            layout = layouts.get(user.name)
-            if in_forward(user) and layout is not None:
-                wanted = layout.inputs[user.all_input_nodes.index(param)]
-                if is_one_tensor_layout(wanted):
-                    computed[name] = wanted
-                break
+    for node in program.graph.graph.nodes:
+        if node.op != "call_function" or not in_forward(node):
+            continue
+        inputs = node.all_input_nodes
+        source = inputs[0] if len(inputs) == 1 else None
+        root = source if source in params else root_of.get(source)
+        if root is not None and (node.target in CASTS or is_element_view(node)):
+            root_of[node] = root
+            continue
+        layout = layouts.get(node.name)
+        for position, value in enumerate(inputs):
+            param = value if value in params else root_of.get(value)
+            if param is None or params[param] in computed or layout is None:
+                continue
+            wanted = layout.inputs[position]
+            if value is not param:
+                wanted = _gathered_root_layout(layouts, param, value, wanted)
+            if is_one_tensor_layout(wanted):
+                computed[params[param]] = wanted
     return computed
+
+
+def _gathered_root_layout(layouts: dict[str, NodeLayout], param: fx.Node, view: fx.Node, wanted) -> tuple | None:
+    """The layout ``param`` is taken in when an op takes its view ``view`` in ``wanted``: as stored, with each
+    axis the move gathers replicated (``param_gathers.root_target``)."""
+    stored, held = layouts.get(param.name), layouts.get(view.name)
+    if stored is None or held is None or not all(map(is_one_tensor_layout, (stored.output, held.output, wanted))):
+        return None
+    target = root_target(parse_placements(held.output), parse_placements(wanted), parse_placements(stored.output))
+    return format_placements(target) if target is not None else stored.output
 
 
 def pins(program: CapturedProgram, layouts: dict[str, ModuleLayout]) -> ModulePins | None:

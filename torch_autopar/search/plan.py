@@ -156,6 +156,11 @@ class Plan:
     """Parameter → the layout eager mode computes with (its first op's input layout in the plan; gathered
     where the storage layout is sharded over the batch); empty: the fully-sharded rule
     (``strategies.boundary.compute_layouts``)."""
+    local_compute: bool = False
+    """Eager mode runs every op on local tensors, as FSDP2 does, instead of through DTensor's dispatch: set by the
+    planner where that computes what DTensor would (each parameter whole where computed, the batch split on
+    every axis, no collective but parameter gathers, gradient syncs and the batch check, no random op;
+    ``search.executed``), and priced without DTensor's per-op dispatch."""
     module_layouts: dict[str, ModuleLayout] = field(default_factory=dict)
     """Submodule path ("blocks.0.attn") → the layouts its inputs enter and its outputs leave in: what eager
     mode's hooks redistribute to (empty where eager mode runs DTensor's own choices)."""

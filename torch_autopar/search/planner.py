@@ -43,7 +43,7 @@ from torch_autopar.strategies import Sharding, format_placements, propagate, see
 from torch_autopar.strategies.boundary import flat_reduced
 from torch_autopar.strategies.enumerate import StrategySpace, enumerate_strategies
 from torch_autopar.strategies.placements import spec_for
-from torch_autopar.strategies.roles import axis_roles, leaf_filter
+from torch_autopar.strategies.roles import axis_roles, gathered_uses, leaf_filter
 
 STRATEGIES = ("auto", "data_parallel", "stand_alone", "fully_shard", "tensor_parallel", "fsdp_tp")
 """Names accepted as ``strategy=``; a ``Plan`` object is accepted too."""
@@ -242,10 +242,12 @@ class Planner(Executing):
         return plans
 
     def _allowed(self, problem, strategy: str) -> dict[int, list[int]]:
-        """Allowed strategy indices of leaf decisions under ``strategy``'s roles (none for "auto")."""
+        """Allowed strategy indices under ``strategy``'s roles (none for "auto"): of leaf decisions, and of the
+        decisions of ops that use a parameter an fsdp axis gathers where used."""
         if strategy == "auto":
             return {}
-        keep = leaf_filter(self.program, axis_roles(strategy, self.mesh.ndim))
+        roles = axis_roles(strategy, self.mesh.ndim)
+        keep = leaf_filter(self.program, roles)
         leaves = list(self.program.param_nodes.values()) + list(self.program.buffer_nodes.values())
         leaves += list(self.program.input_nodes.values())
         allowed = {}
@@ -256,6 +258,13 @@ class Planner(Executing):
             outputs = [s.output for s in problem.decisions[d].strategies]
             kept = set(map(tuple, keep(node, outputs)))
             allowed[d] = [a for a, out in enumerate(outputs) if tuple(out) in kept]
+        gathered = gathered_uses(roles)
+        for node, sources in _parameter_uses(problem, self.program).items():
+            d = problem.decision_of[node]
+            positions = [i for i, arg in enumerate(node.all_input_nodes) if arg in sources]
+            kept = gathered(positions, [problem.node_strategy(node, a) for a in range(len(problem.decisions[d].strategies))])
+            if kept is not None and set(kept) & set(allowed.get(d, kept)):
+                allowed[d] = sorted(set(kept) & set(allowed.get(d, kept)))
         return allowed
 
     def _too_large(self, strategies: list[str], edge_vars: int, restriction) -> dict[str, Plan]:
@@ -512,3 +521,20 @@ def plan_from_parameters(params: dict, world_size: int, axis_names, *, strategy:
         collectives=[], layers=[], replicated_ops={}, compute_time=0.0, exposed_comm_time=0.0,
         estimated_step_time=0.0, peak_memory=0, notes=[f"planned from the parameter list only: {reason}"],
     )
+
+
+def _parameter_uses(problem: ShardingProblem, program: CapturedProgram) -> dict:
+    """Op node → its inputs that are parameters, or views of one placed by the parameter's own decision (a
+    transposed weight follows its parameter): the ops where a parameter is used."""
+    uses: dict = {}
+    for param in program.param_nodes.values():
+        own, frontier = problem.decision_of.get(param), [param]
+        while frontier:
+            source = frontier.pop()
+            for user in source.users:
+                d = problem.decision_of.get(user)
+                if d is not None and d == own:
+                    frontier.append(user)
+                elif d is not None:
+                    uses.setdefault(user, set()).add(source)
+    return uses

@@ -29,6 +29,10 @@ def _name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target)).split(".")[0]
 
 
+def is_element_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and _name(node) in ELEMENT_VIEWS
+
+
 def gathered_root(node: fx.Node, is_param: Callable[[fx.Node], bool]) -> fx.Node | None:
     """The node a move of ``node``'s value gathers instead: the parameter ``node`` is an element view of (or
     its mixed-precision cast, gathered in the cast dtype); None when ``node`` is neither."""
@@ -41,7 +45,7 @@ def gathered_root(node: fx.Node, is_param: Callable[[fx.Node], bool]) -> fx.Node
             return None
         if current.target in CASTS:
             return current if inputs[0].op == "placeholder" and is_param(inputs[0]) else None
-        if _name(current) not in ELEMENT_VIEWS:
+        if not is_element_view(current):
             return None
         current = inputs[0]
 

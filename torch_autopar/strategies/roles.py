@@ -2,7 +2,8 @@
 
 Roles (per mesh axis):
   dp     parameters replicated, user inputs split on dim 0 (data parallelism)
-  fsdp   parameters sharded on dim 0, user inputs split on dim 0 (ZeRO-3 / FSDP: gathered where used)
+  fsdp   parameters sharded on dim 0, user inputs split on dim 0, and every op using a parameter takes it whole
+         on the axis (ZeRO-3 / FSDP: gathered where used, so the runtime gathers a layer's parameters together)
   tp     user inputs replicated, parameters free (the search finds Megatron column/row pairs)
   free   no restriction ("auto")
 Must never look at costs.
@@ -67,3 +68,19 @@ def leaf_filter(program: CapturedProgram, roles: tuple[str, ...]):
         return [tuple(Replicate() for _ in roles)]  # e.g. a tensor too small to shard: replicate it
 
     return keep
+
+
+def gathered_uses(roles: tuple[str, ...]):
+    """A ``gathered(positions, strategies) -> indices`` for an op whose inputs at ``positions`` are parameters (or
+    views of them): the indices of the op's strategies that take each of them replicated on every fsdp axis
+    (None where no axis is fsdp or no strategy does: then the op stays free rather than unsolvable)."""
+    axes = [axis for axis, role in enumerate(roles) if role == "fsdp"]
+
+    def gathered(positions, strategies):
+        if not axes or not positions:
+            return None
+        kept = [a for a, strategy in enumerate(strategies)
+                if all(isinstance(strategy.inputs[i][axis], Replicate) for i in positions for axis in axes)]
+        return kept or None
+
+    return gathered
