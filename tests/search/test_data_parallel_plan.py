@@ -1,5 +1,6 @@
 """The data-parallel plan of a meta-device GPT on 64 ranks nobody has (a fake process group lives only while
-planning): gradient synchronisation is exactly one all-reduce per gradient bucket and nothing else."""
+planning): gradient synchronisation is exactly one all-reduce per gradient bucket and nothing else. A plan of
+another name laid out as data parallelism is priced as data parallelism runs it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import torch
 import torch.distributed as dist
 
 import torch_autopar as autopar
+from torch_autopar import api, launch
 from torch_autopar.cost import CostModel, get_profile
+from torch_autopar.search.planner import Planner
 from torch_autopar.testing import fake_process_group
 from torch_autopar.testing.models import GPT, GPTConfig
+from tests import support
 
 WORLD = 64
 BATCH, SEQ = 64, 256
@@ -111,3 +115,26 @@ def test_a_failed_plan_leaves_no_process_group(meta_gpt):
     with pytest.raises(autopar.AutoparError):
         _plan(meta_gpt, memory_budget=1)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_searched_plan_laid_out_as_data_parallelism_is_priced_as_it_runs(mode):
+    """A plan of another name whose every parameter is replicated runs as data parallelism (bucketed all-reduces,
+    ``runtime.parallel_module``), so it is executed and priced as that: data parallelism's buckets, collectives
+    and estimate, not the search's one sync per gradient."""
+    model = support.build_model("mlp")
+    x, _ = support.global_batch("mlp", 0)
+    with launch.offline_mesh((2,)) as mesh:
+        planner = Planner(api._capture(model, (x,), {}, None), mesh, mesh.mesh_dim_names,
+                          hardware=get_profile("cpu-gloo"), global_batch=x.shape[0], mode=mode)
+        data_parallel = planner.plan("data_parallel", executable=True)
+        searched = planner.plan("data_parallel")
+        searched.strategy, searched.grad_buckets = "auto", [[name] for bucket in searched.grad_buckets
+                                                            for name in bucket]
+        ran = planner.executed(searched)
+    assert ran.strategy == "auto" and ran.is_data_parallel()
+    assert len(data_parallel.grad_buckets) < len(searched.grad_buckets)
+    assert ran.grad_buckets == data_parallel.grad_buckets
+    assert sorted(map(repr, ran.collectives)) == sorted(map(repr, data_parallel.collectives))
+    assert ran.estimated_step_time == pytest.approx(data_parallel.estimated_step_time, rel=1e-12)
+    assert any("runs as data parallelism" in note for note in ran.notes)

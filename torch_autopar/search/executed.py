@@ -65,11 +65,26 @@ class Executing:
         node layouts (``_relaid``). In eager mode DTensor places each op from its inputs' layouts, the plan's
         parameters and inputs, with each submodule's inputs and outputs moved to the plan's module layouts by
         the runtime's hooks (``_dtensor_placed``)."""
-        if plan.is_data_parallel() or self.mesh.size() == 1:
+        if self.mesh.size() == 1 or plan.is_data_parallel() and plan.strategy == "data_parallel":
             return plan
+        if plan.is_data_parallel():
+            return self._run_as_data_parallel(plan)
         laid_out = self._runs_as_laid_out(plan)
         result = self._relaid(plan) if self.mode == "graph" and laid_out else self._dtensor_placed(plan, laid_out)
         recompute.apply_choice(result, plan.activation_checkpointing)
+        return result
+
+    def _run_as_data_parallel(self, plan: Plan) -> Plan:
+        """A plan of another name whose layout is data parallelism's (each parameter replicated, the batch split)
+        runs as data parallelism (``runtime.parallel_module``: the whole model on each slice, its gradients
+        all-reduced in the planner's buckets), so it is priced as that, not by its searched node layouts (each
+        gradient synced on its own, as the search prices it)."""
+        result = self.propagated("data_parallel")
+        result.strategy, result.search_stats = plan.strategy, {**plan.search_stats, **_priced_here(result)}
+        result.notes = list(plan.notes) + [
+            f"runs as data parallelism (every parameter replicated, the batch split): priced with its gradient "
+            f"buckets, {result.estimated_step_time * 1e3:.3f} ms per step (as searched: "
+            f"{plan.estimated_step_time * 1e3:.3f} ms)"]
         return result
 
     def _relaid(self, plan: Plan) -> Plan:
