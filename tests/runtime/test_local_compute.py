@@ -7,7 +7,8 @@ reduce-scattering larger gradients) are marked local, run every layer's forward 
 forward pre-hook), equal one process over 3 AdamW steps (losses 1e-5 relative, parameters rtol 1e-4 / atol
 1e-5), move exactly the plan's collectives, and their estimates leave out DTensor's dispatch. Plans that move
 activations (tensor_parallel), take whole batches, or draw random numbers (dropout: DTensor draws a shard's
-numbers as one process would, a local op would not) are not local and keep DTensor.
+numbers as one process would, a local op would not) are not local and keep DTensor. A parameter's local view
+that meets a DTensor gets the gradient DTensor placed.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 import torch_autopar as autopar
+from torch_autopar.rewrite import placement
 from torch_autopar.runtime.comm_count import planned_summary
 from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.models import GPT, MLP, GPTConfig
@@ -103,9 +108,22 @@ def _not_local(rank: int, world: int) -> dict:
             for name, pmodel in cases.items()}
 
 
+def _meets_a_dtensor(rank: int, world: int) -> list[float]:
+    """A parameter's local view used with a batch-split DTensor (DTensor replicates the plain tensor): its
+    gradient comes back as DTensor placed it; returned whole, next to the one-process gradient."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    weight, x = torch.randn(4, 3), torch.randn(8, 4)
+    param = distribute_tensor(weight, mesh, [Replicate()]).requires_grad_()
+    with implicit_replication():
+        (distribute_tensor(x, mesh, [Shard(0)]) @ placement.local_view(param)).sum().backward()
+    return [param.grad.full_tensor().tolist(), (x.T @ torch.ones(8, 3)).tolist()]
+
+
 def _job(rank: int, world: int) -> dict:
     runs = {name: support.outcome(_local_run, rank, world, name) for name in MODELS}
     runs["not local"] = support.outcome(_not_local, rank, world)
+    runs["meets a dtensor"] = support.outcome(_meets_a_dtensor, rank, world)
     return runs
 
 
@@ -129,3 +147,9 @@ def test_plans_that_move_activations_take_whole_batches_or_draw_random_numbers_k
     for rank, (status, cases) in enumerate(runs["not local"]):
         assert status == "ok", f"rank {rank}: {status}: {cases}"
         assert cases == {name: (False, True) for name in ("tensor_parallel", "full_batch", "dropout")}, cases
+
+
+def test_a_local_view_met_by_a_dtensor_takes_the_gradient_dtensor_placed(runs):
+    for rank, (status, (grad, expected)) in enumerate(runs["meets a dtensor"]):
+        assert status == "ok", f"rank {rank}: {status}"
+        torch.testing.assert_close(torch.tensor(grad), torch.tensor(expected))

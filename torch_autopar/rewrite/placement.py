@@ -181,6 +181,8 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if isinstance(grad, DTensor):  # the tensor met a DTensor (implicit replication): DTensor placed its gradient
+            return grad
         mesh, shape, stride, axes = ctx.whole
         return DTensor.from_local(grad, mesh, tuple(Partial() for _ in range(axes)), run_check=False, shape=shape,
                                   stride=stride)
