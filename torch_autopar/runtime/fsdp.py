@@ -202,7 +202,7 @@ def _local(wholes: dict, gathered: list) -> dict:
     locals_ = {}
     for name, whole in wholes.items():
         locals_[name] = local_view(whole)
-        for one in gathered:
-            if isinstance(whole, torch.distributed.tensor.DTensor):
+        if isinstance(whole, torch.distributed.tensor.DTensor):
+            for one in gathered:
                 one.track(whole, locals_[name])
     return locals_

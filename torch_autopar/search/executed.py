@@ -200,7 +200,8 @@ class Executing:
         params = {node.name for node in program.param_nodes.values()}
         if any(move.node not in params for move in sharding.redistributions):
             return False
-        return not any(node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+        seeded = torch.Tag.nondeterministic_seeded
+        return not any(node.op == "call_function" and seeded in getattr(node.target, "tags", ())
                        for node in program.graph.graph.nodes)
 
     def _runs_as_laid_out(self, plan: Plan) -> bool:

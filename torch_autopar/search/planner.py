@@ -262,7 +262,8 @@ class Planner(Executing):
         for node, sources in _parameter_uses(problem, self.program).items():
             d = problem.decision_of[node]
             positions = [i for i, arg in enumerate(node.all_input_nodes) if arg in sources]
-            kept = gathered(positions, [problem.node_strategy(node, a) for a in range(len(problem.decisions[d].strategies))])
+            strategies = [problem.node_strategy(node, a) for a in range(len(problem.decisions[d].strategies))]
+            kept = gathered(positions, strategies)
             if kept is not None and set(kept) & set(allowed.get(d, kept)):
                 allowed[d] = sorted(set(kept) & set(allowed.get(d, kept)))
         return allowed
