@@ -157,7 +157,7 @@ def _check_plan_recompute(activation_checkpointing) -> None:
 
 
 def _offline_pipeline_plan(model, args, options, world, hardware, layout: str) -> Plan:
-    dp = world // options.ranks
+    dp = 1 if layout == "tensor_parallel" else world // options.ranks  # tensor-parallel stages: one replica
     batch = batch_size(args, {})
     if batch is None or batch % dp:
         raise AutoparError(f"the global batch (dim 0: {batch}) must divide by the {dp} data-parallel replicas of "
@@ -188,7 +188,7 @@ def _searched_pipeline(model, args, options, intra_plan, *, world, batch, hardwa
 
 def _stage_layouts(strategy) -> tuple[str, ...]:
     """Stage layouts pipeline="auto" considers: the one strategy= names, else every one the runtime runs."""
-    return (strategy,) if strategy in pipelining.STAGE_LAYOUTS else pipelining.STAGE_LAYOUTS
+    return (strategy,) if strategy in pipelining.SEARCHED_LAYOUTS else pipelining.SEARCHED_LAYOUTS
 
 
 def _pipeline_layout(strategy) -> str:
@@ -201,11 +201,12 @@ def _pipeline_layout(strategy) -> str:
 
 def _check_pipeline_strategy(strategy, mesh, full_batch, options) -> None:
     given = isinstance(strategy, Plan) and strategy.pipeline_stages > 1 and not options.searched
-    if not (strategy == "auto" or strategy in pipelining.STAGE_LAYOUTS or given):
+    layouts = pipelining.SEARCHED_LAYOUTS if options.searched else pipelining.STAGE_LAYOUTS
+    if not (strategy == "auto" or strategy in layouts or given):
         raise AutoparError(f"strategy={strategy!r} with pipeline={'auto' if options.searched else options.ranks}: "
-                           "stages run whole or fully sharded over the ranks that hold them in this version; "
-                           "expected strategy='auto', 'data_parallel' or 'fully_shard' (or a pipelined Plan "
-                           "without pipeline='auto').")
+                           "stages run whole, fully sharded or (pipeline=N only) tensor parallel over the ranks "
+                           f"that hold them in this version; expected strategy='auto' or one of {layouts} (or a "
+                           "pipelined Plan without pipeline='auto').")
     if given:
         pipelining.stage_layout(strategy)
     if mesh is not None or full_batch:
@@ -229,7 +230,8 @@ def _pipeline_planner(options, hardware, given: Plan | None, layout: str):
 def _compile_pipeline(model, example_inputs, options, strategy, hardware, mode, loss_fn) -> PipelineModule:
     given = strategy if isinstance(strategy, Plan) else None
     planner = _pipeline_planner(options, hardware, given, _pipeline_layout(strategy))
-    parallel = PipelineModule(model, planner=planner, loss_fn=loss_fn, mode=mode, pipeline_size=options.ranks)
+    parallel = PipelineModule(model, planner=planner, loss_fn=loss_fn, mode=mode, pipeline_size=options.ranks,
+                              stage_layout=_pipeline_layout(strategy))
     if example_inputs is not None:
         parallel.prepare(_as_tuple(example_inputs))
     return parallel
@@ -255,7 +257,7 @@ def _compile_searched(model, example_inputs, options, strategy, hardware, memory
         parallel.prepare(args, {})
         return parallel
     parallel = PipelineModule(model, planner=lambda *_: layout, loss_fn=loss_fn, mode=mode,
-                              pipeline_size=plan.mesh_shape[-1])
+                              pipeline_size=plan.mesh_shape[-1], stage_layout=pipelining.stage_layout(plan))
     parallel.prepare(args)
     return parallel
 

@@ -68,6 +68,29 @@ def test_gpt_plan_explains_stages_and_round_trips(tmp_path):
     assert loaded == plan and loaded.explain() == text
 
 
+def test_tensor_parallel_stages_split_matrices_and_price_their_collectives(tmp_path):
+    """pipeline=2 x tp=2 on 4 offline ranks: each stage's matrices split Megatron-style over its 2 ranks (the tied
+    embedding / head the same way on both stages), the whole batch on every rank, each stage's collectives on
+    the "tp" axis, and less memory per rank than whole stages."""
+    tokens = torch.randint(0, 96, (8, 16))
+    split = autopar.plan(GPT(), tokens, mesh_shape=(4,), pipeline=2, microbatches=2, strategy="tensor_parallel",
+                         hardware="cpu-gloo")
+    whole = autopar.plan(GPT(), tokens, mesh_shape=(2,), pipeline=2, microbatches=2, hardware="cpu-gloo")
+    assert split.strategy == "pipeline+tensor_parallel" and split.axis_names == ("tp", "pp")
+    assert split.mesh_shape == (2, 2) and split.global_batch == 8 and split.input_placements[0] == ("R", "R")
+    placements = {name: where[0] for name, where in split.param_placements.items()}
+    assert placements["blocks.0.fc.weight"] == "S(0)" and placements["blocks.0.out.weight"] == "S(1)"
+    assert placements["blocks.1.fc.weight"] == "S(0)" and placements["blocks.1.out.weight"] == "S(1)"
+    assert placements["blocks.0.ln1.weight"] == "R"
+    for stage in ("stage0", "stage1"):
+        moves = [c for c in split.collectives if c.where == stage and c.axis == "tp"]
+        assert {c.phase for c in moves} >= {"forward", "backward"}, (stage, moves)
+        assert all(c.count == 2 for c in moves if c.phase != "grad_sync"), moves  # once per micro-batch
+    assert split.peak_memory < whole.peak_memory
+    split.save(tmp_path / "plan.json")
+    assert autopar.Plan.load(tmp_path / "plan.json") == split
+
+
 def test_plans_without_pipeline_and_old_files(tmp_path):
     plan = autopar.plan(GPT(), torch.randint(0, 96, (8, 16)), mesh_shape=(2,), strategy="data_parallel")
     assert (plan.pipeline_stages, plan.microbatches, plan.schedule, plan.stages) == (1, 1, None, [])
@@ -87,7 +110,8 @@ def test_plans_without_pipeline_and_old_files(tmp_path):
     (dict(mesh_shape=(2,), pipeline=2, microbatches=3), r"microbatches=3 must divide each rank's batch"),
     (dict(mesh_shape=(2,), pipeline=2, schedule="dualpipe"), r"schedule='dualpipe': expected one of"),
     (dict(mesh_shape=(2,), microbatches=2), r"apply to pipelined models; found pipeline=None"),
-    (dict(mesh_shape=(2,), pipeline=2, strategy="tensor_parallel"), r"stages run whole"),
+    (dict(mesh_shape=(2,), pipeline="auto", strategy="tensor_parallel"), r"\(pipeline=N only\) tensor parallel"),
+    (dict(mesh_shape=(2,), pipeline=2, strategy="fsdp_tp"), r"stages run whole"),
 ])
 def test_bad_pipeline_input(kwargs, pattern):
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: .*" + pattern):

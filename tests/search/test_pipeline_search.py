@@ -123,7 +123,7 @@ def test_given_microbatches_and_schedule_bound_the_search(bound):
     found = pipelining.search(measured, options, world_size=64, global_batch=8, hardware=get_profile("h100"))
     assert found and {(c.schedule, c.microbatches) for c in found} == {("gpipe", 2)}
     assert {c.ranks for c in found} == {16}  # 4 replicas of 2 sequences: the only size whose replicas hold 2
-    assert {c.layout for c in found} == set(pipelining.STAGE_LAYOUTS)
+    assert {c.layout for c in found} == set(pipelining.SEARCHED_LAYOUTS)
 
 
 def test_zero_bubble_runs_when_asked_and_is_not_searched(bound):
@@ -156,8 +156,8 @@ def test_bad_auto_input(kwargs, pattern):
 
 def test_compile_auto_in_one_process_and_its_errors():
     """One process: no pipeline size divides 1 rank with two stages, so the intra-op plan is built; auto needs
-    example inputs; a plan with fully-sharded stages is followed, one with tensor-parallel stages refused (the
-    runtime runs whole or fully-sharded stages)."""
+    example inputs; a plan with fully-sharded stages is followed, one with fsdp_tp stages refused (the
+    runtime runs whole, fully-sharded or tensor-parallel stages)."""
     model = GPT()
     pmodel = autopar.compile(model, torch.randint(0, 96, (8, 16)), pipeline="auto")
     assert pmodel.plan.pipeline_stages == 1 and "chose the intra-op plan" in pmodel.plan.notes[-1]
@@ -168,8 +168,8 @@ def test_compile_auto_in_one_process_and_its_errors():
     assert sharded.strategy == "pipeline+fully_shard" and sharded.param_placements["tok.weight"] == ("S(0)", "R")
     followed = autopar.plan(model, tokens, mesh_shape=(4,), strategy=sharded, pipeline=2)
     assert followed.strategy == "pipeline+fully_shard", followed.strategy
-    sharded.strategy = "pipeline+tensor_parallel"
-    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: this plan's stages are tensor_parallel"):
+    sharded.strategy = "pipeline+fsdp_tp"
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: this plan's stages are fsdp_tp"):
         autopar.plan(model, tokens, mesh_shape=(4,), strategy=sharded, pipeline=2)
 
 

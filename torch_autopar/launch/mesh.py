@@ -66,6 +66,25 @@ def resolve_mesh(mesh, world_size: int) -> DeviceMesh:
     return job_mesh(shape, default_axis_names(len(shape)))
 
 
+@contextlib.contextmanager
+def planning_mesh(mesh_shape, axis_names):
+    """A mesh of ``mesh_shape`` to plan on, with no process group behind it: offline, ``offline_mesh``'s; inside
+    a running job of any size (planning a part of the job's ranks, e.g. a pipeline stage's), a mesh of device
+    indices whose axes have no groups. Plans only: DTensor cannot run a collective on it."""
+    if not dist.is_initialized():
+        with offline_mesh(mesh_shape, axis_names) as mesh:
+            yield mesh
+        return
+    shape = check_mesh_shape(mesh_shape, None, "mesh_shape")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if math.prod(shape) > world:
+        raise AutoparError(f"cannot plan for {math.prod(shape)} devices inside a running job of {world} ranks; "
+                           "plan with autopar.plan(...) from a process without a process group.")
+    ranks = sorted((rank + i) % world for i in range(math.prod(shape)))  # DTensor plans only on meshes holding it
+    yield DeviceMesh(device_type(), torch.tensor(ranks).reshape(shape), mesh_dim_names=tuple(axis_names),
+                     _init_backend=False)
+
+
 _JOB_MESHES: dict = {}
 
 

@@ -32,7 +32,7 @@ from torch_autopar import _compat, launch
 from torch_autopar.capture.modules import split_stages
 from torch_autopar.errors import AutoparError
 from torch_autopar.runtime import backend as backends
-from torch_autopar.runtime import stage_sharding
+from torch_autopar.runtime import stage_sharding, stage_tensor_parallel
 from torch_autopar.runtime.modes import get_mode
 from torch_autopar.runtime.parallel_module import broadcast_module_state
 from torch_autopar.search.pipeline import stage_of_units, tied_axis
@@ -72,19 +72,24 @@ class PipelineModule(torch.nn.Module):
     """The user's module run as a pipeline; ``planner(module, args)`` gives its ``PipelineLayout``."""
 
     def __init__(self, module: torch.nn.Module, *, planner, pipeline_size: int, loss_fn=None,
-                 mode: str | None = None):
+                 mode: str | None = None, stage_layout: str = "data_parallel"):
         super().__init__()
         object.__setattr__(self, "_user", module)  # not a submodule: parameters() are this rank's stages'
         self.loss_fn, self.mode, self._planner = loss_fn, mode, planner
         self.pipeline_size = pipeline_size
-        """Pipeline ranks; the job's ranks are (world / pipeline_size data-parallel) x pipeline_size."""
+        """Pipeline ranks; the job's ranks are (world / pipeline_size stage ranks) x pipeline_size."""
         rank, world = _world()
         self._dp, self._pp = world // pipeline_size, pipeline_size
+        """Ranks holding each stage (its data-parallel replicas, or its tensor-parallel ranks), pipeline ranks."""
         self._d, self._p = divmod(rank, pipeline_size)
+        self.stage_layout = stage_layout
+        """How a stage is laid out over its ranks (``search.pipeline.STAGE_LAYOUTS``): "tensor_parallel" stages'
+        ranks pass the same batch, the others' each their own slice."""
         self.layout = None
         self.stages: torch.nn.ModuleList | None = None
         self._schedules: dict = {}
         self._sharded = False
+        self._tensor_parallel = False
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def prepare(self, args: tuple, kwargs: dict | None = None):
@@ -116,8 +121,16 @@ class PipelineModule(torch.nn.Module):
         self.stages = torch.nn.ModuleList(_CompiledStage(graphs[s]) if mode == "graph" else graphs[s]
                                           for s in self._mine)
         self._sharded = stage_sharding.is_sharded(plan, self._dp)
+        self._tensor_parallel = stage_tensor_parallel.is_tensor_parallel(plan, self._dp)
+        if self._tensor_parallel != (self.stage_layout == "tensor_parallel" and self._dp > 1):
+            raise AssertionError(f"plan {plan.strategy} built as stage layout {self.stage_layout}")
         if self._sharded:  # replaces the stages' parameters by shards: the tied copies are found by name after
             stage_sharding.apply_fully_shard(list(self.stages), self._dp_group)
+        if self._tensor_parallel:
+            placements = {name: where[0] for name, where in plan.param_placements.items()}
+            wrapped = stage_tensor_parallel.apply_tensor_parallel([graphs[s] for s in self._mine], self._dp_group,
+                                                                  placements)
+            self.stages = torch.nn.ModuleList(_CompiledStage(w) if mode == "graph" else w for w in wrapped)
         if world > 1:
             mine = {n: p for s in self._mine for n, p in graphs[s].named_parameters(remove_duplicate=False)}
             self._tied = [(ranks, [mine[n] for n in names], group) for ranks, names, group in tied]
@@ -197,22 +210,23 @@ class PipelineModule(torch.nn.Module):
 
     @property
     def axis_groups(self) -> dict:
-        """Plan axis name → this rank's process group on it (after the first call): "dp" (the ranks holding
-        the same stages), "pp" (this replica's pipeline), "dp+pp" (every rank), and one "tied" group per set of
-        pipeline ranks sharing parameters (``search.pipeline``'s names: "tied" + the stages' pipeline ranks)."""
+        """Plan axis name → this rank's process group on it (after the first call): "dp" or "tp" (the ranks
+        holding the same stages), "pp" (this replica's pipeline), "dp+pp" (every rank), and one "tied" group per
+        set of pipeline ranks sharing parameters (``search.pipeline``'s names: "tied" + the stages' pipeline ranks)."""
         if self.layout is None or not dist.is_initialized():
             return {}
-        groups = {"dp": self._dp_group, "pp": self._pp_group, "dp+pp": dist.group.WORLD}
+        groups = {self.plan.axis_names[0]: self._dp_group, "pp": self._pp_group, "dp+pp": dist.group.WORLD}
         return groups | {tied_axis(ranks): group for ranks, _, group in self._tied}
 
     @property
     def data_parallel_rank(self) -> int:
-        """Which slice of the global batch this rank passes (the ranks of one pipeline pass the same)."""
-        return self._d
+        """Which slice of the global batch this rank passes (the ranks of one pipeline, and those of a
+        tensor-parallel stage, pass the same)."""
+        return 0 if self.stage_layout == "tensor_parallel" else self._d
 
     @property
     def data_parallel_size(self) -> int:
-        return self._dp
+        return 1 if self.stage_layout == "tensor_parallel" else self._dp
 
     @property
     def pipeline_rank(self) -> int:
@@ -223,7 +237,8 @@ class PipelineModule(torch.nn.Module):
         source = self.stages if self.stages is not None else self._user
         seen = set()
         for stage in (source if self.stages is not None else [source]):
-            stage = stage.stage if isinstance(stage, _CompiledStage) else stage
+            while isinstance(stage, (_CompiledStage, stage_tensor_parallel.TensorParallelStage)):
+                stage = stage.stage  # the user's names, not the wrappers'
             for name, param in stage.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate):
                 if id(param) not in seen or not remove_duplicate:
                     seen.add(id(param))
@@ -286,7 +301,8 @@ class PipelineModule(torch.nn.Module):
             if param.grad is None:
                 continue
             local = stage_sharding.local(param.grad)
-            copies = copies_of.get(id(param), 1) * (1 if local is not param.grad else self.data_parallel_size)
+            copies = copies_of.get(id(param), 1) * (stage_sharding.replicas(param.grad) if local is not param.grad
+                                                    else self.data_parallel_size)
             grads.append(local)
             if math.isinf(norm_type):
                 total = torch.maximum(total, local.detach().abs().max().double()) if local.numel() else total
@@ -302,6 +318,8 @@ class PipelineModule(torch.nn.Module):
         return norm
 
     def _reduce_gradients(self, params, scale: float) -> None:
+        if self._tensor_parallel:
+            stage_tensor_parallel.settle_grads(params)
         with torch.no_grad():
             for p in params:
                 if p.grad is not None:
@@ -324,7 +342,7 @@ class PipelineModule(torch.nn.Module):
             torch.zeros((), device=launch.device_type())  # one fp32 scalar: search.pipeline.LOSS_BYTES
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)
-        return local / self.data_parallel_size
+        return local / self._dp  # each of the last stage's ranks holds its replica's loss
 
     def forward(self, *args, **kwargs):
         """Forward only (no autograd history; train with ``step``): the last stage's output, on every rank."""
@@ -359,7 +377,7 @@ class PipelineModule(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         """Full tensors of the whole model under the user's names, gathered from the stages (call on every rank)."""
         full = self._user.state_dict(*args, **kwargs)
-        if self._sharded:
+        if self._sharded or self._tensor_parallel:
             stage_sharding.full_state([self._graphs[s] for s in self._mine], full)
         if self.layout is None or self._pp == 1:
             return full
@@ -374,11 +392,11 @@ class PipelineModule(torch.nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load full tensors (from ``state_dict()`` or the plain model); each stage keeps its part (its shards)."""
-        if not self._sharded:
+        if not (self._sharded or self._tensor_parallel):
             return self._user.load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:
-            raise AutoparError("load_state_dict(assign=True) would replace fully-sharded stages' shards by whole "
-                               "tensors; expected assign=False for a pipelined model with fully-sharded stages.")
+            raise AutoparError("load_state_dict(assign=True) would replace sharded stages' shards by whole "
+                               "tensors; expected assign=False for a pipelined model with sharded stages.")
         result = stage_sharding.load_dense_state(self._user, state_dict, strict)
         stage_sharding.load_full_state([self._graphs[s] for s in self._mine], state_dict)
         return result

@@ -79,6 +79,14 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def replicas(tensor: torch.Tensor) -> int:
+    """How many ranks hold each element of a DTensor (the sizes of the mesh axes it is replicated on)."""
+    copies = 1
+    for axis, placement in enumerate(tensor.placements):
+        copies *= tensor.device_mesh.size(axis) if placement.is_replicate() else 1
+    return copies
+
+
 def dense_grads(params) -> list[torch.Tensor]:
     """The gradients FSDP2 did not reduce (of parameters it left whole): the runtime averages these over dp."""
     return [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]

@@ -50,10 +50,11 @@ import torch.fx as fx
 
 from torch_autopar import _compat
 from torch_autopar.capture.modules import (POST, PRE, TopLevel, UnitCost, assign_units, measure_units,
-                                           trace_top_level, unit_modules)
+                                           split_stages, trace_top_level, unit_modules)
 from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import CostModel, HardwareProfile, pricing
 from torch_autopar.errors import AutoparError
+from torch_autopar.search import stage_tensor_parallel as tensor_parallel
 from torch_autopar.search.estimate import ADAM_STATE_PER_PARAM
 from torch_autopar.search.explain import _bytes
 from torch_autopar.search.plan import Plan, PlannedCollective, StageRow
@@ -76,9 +77,13 @@ BACKWARD_FLOPS = 2
 """Backward FLOPs per forward FLOP (gradients for the activations and for the weights)."""
 LOSS_BYTES = 4
 """A pipelined step's loss, averaged over every rank once per step (one fp32 scalar: ``runtime.pipeline``)."""
-STAGE_LAYOUTS = ("data_parallel", "fully_shard")
-"""Layouts of a stage over its data-parallel ranks, both run by ``runtime.pipeline`` ("fully_shard" through
-FSDP2: ``runtime.stage_sharding``)."""
+STAGE_LAYOUTS = ("data_parallel", "fully_shard", "tensor_parallel")
+"""Layouts of a stage over its ranks, each run by ``runtime.pipeline``: "data_parallel" and "fully_shard" (FSDP2:
+``runtime.stage_sharding``) over data-parallel replicas passing their own slices of the batch, "tensor_parallel"
+(DTensor: ``runtime.stage_tensor_parallel``) over ranks passing the same batch, matrices split between them."""
+SEARCHED_LAYOUTS = ("data_parallel", "fully_shard")
+"""The stage layouts ``pipeline="auto"`` searches: a tensor-parallel stage is priced from a capture and a
+propagation of the model (``search.stage_tensor_parallel``), too slow to repeat for every candidate."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -320,6 +325,8 @@ class Candidate:
     """The schedule's time without the sends (forward + backward compute and the bubble)."""
     peak_memory: int = 0
     memory_breakdown: dict = field(default_factory=dict)
+    placements: dict = field(default_factory=dict)
+    """Parameter name → placement on the stage axis, for tensor-parallel stages."""
 
     @property
     def data_parallel(self) -> int:
@@ -349,11 +356,19 @@ def _stage_memory(param_bytes: int, activations: float, layout: str, dp: int) ->
             "optimizer": ADAM_STATE_PER_PARAM * held, "activations": int(activations)}
 
 
+def _tensor_parallel_memory(stage, split: tensor_parallel.TensorParallelLayout, activations: float) -> dict:
+    """A tensor-parallel stage's bytes per rank: its pieces of the parameters, their gradients and Adam state,
+    and every activation whole (an upper bound: the split ones are smaller)."""
+    held = sum(split.held.get(name, entry[1]) for name, entry in stage.params.items())
+    return {"parameters": held, "gathered_parameters": 0, "gradients": held, "optimizer": ADAM_STATE_PER_PARAM * held,
+            "activations": int(activations)}
+
+
 def _stage_optimizer(held: int, tensors: int, layout: str, cost_model: CostModel) -> float:
-    """The optimizer step on a stage's ``held`` parameter bytes; FSDP2 keeps a fully-sharded stage's parameters
-    as DTensors, so each of its kernels goes through DTensor's dispatch too."""
+    """The optimizer step on a stage's ``held`` parameter bytes; a fully-sharded (FSDP2) or tensor-parallel stage
+    keeps its parameters as DTensors, so each of its kernels goes through DTensor's dispatch too."""
     dispatch = pricing.ADAMW_UPDATE_OPS * tensors * cost_model.hardware.dtensor_overhead_s
-    return pricing.optimizer_seconds(held, tensors, cost_model) + (dispatch if layout == "fully_shard" else 0.0)
+    return pricing.optimizer_seconds(held, tensors, cost_model) + (0.0 if layout == "data_parallel" else dispatch)
 
 
 def _shard_bytes(entry: tuple[int, int, int], dp: int) -> int:
@@ -402,16 +417,18 @@ def rank_collectives(plan: Plan, pipeline_rank: int) -> list[PlannedCollective]:
     return [c for c in plan.collectives if c.kind != "send" and runs_here(c)]
 
 
-def _tied_sync(stages: list, ranks: int, layout: str, dp: int, cost_model: CostModel) -> list[PlannedCollective]:
+def _tied_sync(stages: list, ranks: int, layout: str, dp: int, cost_model: CostModel,
+               split: tensor_parallel.TensorParallelLayout | None = None) -> list[PlannedCollective]:
     """Per set of pipeline ranks holding the same parameter (an embedding tied to the output head): one
     all_reduce summing their copies' gradients (when fully sharded, of their shards: the largest shard's bytes,
-    what the replica holding the first rows sends)."""
+    what the replica holding the first rows sends; tensor parallel, of the piece each rank holds)."""
     holders: dict[str, set[int]] = {}
     nbytes: dict[str, int] = {}
     for s, stage in enumerate(stages):
         for name, entry in stage.params.items():
             holders.setdefault(name, set()).add(s % ranks)
-            nbytes[name] = _shard_bytes(entry, dp) if layout == "fully_shard" else entry[1]
+            nbytes[name] = _shard_bytes(entry, dp) if layout == "fully_shard" else \
+                split.held[name] if split is not None else entry[1]
     shared: dict[tuple, int] = {}
     for name, held in holders.items():
         if len(held) > 1:
@@ -467,43 +484,56 @@ def _loss_reduce(cost_model: CostModel) -> PlannedCollective:
 
 
 def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, layout: str, cuts: list[int],
-          world_size: int, global_batch: int, hardware: HardwareProfile) -> Candidate:
-    """Step time and per-rank memory of one point (the objective and constraint of the module docstring)."""
+          world_size: int, global_batch: int, hardware: HardwareProfile,
+          split: tensor_parallel.TensorParallelLayout | None = None) -> Candidate:
+    """Step time and per-rank memory of one point (the objective and constraint of the module docstring).
+    split: for "tensor_parallel" stages, the parameters' layout over the stage's ranks and what it moves."""
     dp = world_size // ranks
     cost_model = CostModel(hardware, (dp, ranks))
-    scale = global_batch / dp / measured.batch  # a replica's batch over the measured one
+    replicas = 1 if layout == "tensor_parallel" else dp  # tensor-parallel stage ranks pass the same batch
+    scale = global_batch / replicas / measured.batch  # a replica's batch over the measured one
     per_layer = layer_seconds(measured, cost_model, scale / microbatches)
+    if layout == "tensor_parallel":  # matrices split over the stage's ranks: their FLOPs are (priced as) shared
+        per_layer = [seconds / dp for seconds in per_layer]
     names = unit_modules(measured.top, measured.unit)
     result = Candidate(ranks=ranks, schedule=schedule, microbatches=microbatches, layout=layout, cuts=cuts,
-                       global_batch=global_batch, world_size=world_size)
+                       global_batch=global_batch, world_size=world_size,
+                       placements=dict(split.placements) if split is not None else {})
     compute, sends, sync, optimizer = [0.0] * ranks, [0.0] * ranks, [0.0] * ranks, [0.0] * ranks
     memory: list[dict[str, int]] = [{} for _ in range(ranks)]
     stages = _stages(measured, cuts, names)
     for s, stage in enumerate(stages):
         rank, stage_compute = s % ranks, sum(per_layer[cuts[s]:cuts[s + 1]])
         in_flight = microbatches if schedule == "gpipe" else min(microbatches, ranks - rank)
-        stage_memory = _stage_memory(stage.param_bytes, stage.activation_bytes * scale * in_flight / microbatches,
-                                     layout, dp)
+        activations = stage.activation_bytes * scale * in_flight / microbatches
+        if split is not None:
+            stage_memory = _tensor_parallel_memory(stage, split, activations)
+        else:
+            stage_memory = _stage_memory(stage.param_bytes, activations, layout, dp)
         memory[rank] = {k: memory[rank].get(k, 0) + v for k, v in stage_memory.items()}
         moves = _sends(int(measured.crossing[cuts[s + 1]] * scale / microbatches), s, microbatches, cost_model)
         if layout == "fully_shard":
             moves += _stage_sync(_gathered_bytes(stage.params, dp), layout, cost_model, f"stage{s}")
+        if split is not None:
+            moves += tensor_parallel.stage_moves(split, s, microbatches)
         compute[rank] += stage_compute
         optimizer[rank] += _stage_optimizer(stage_memory["parameters"], len(stage.params), layout, cost_model)
-        sends[rank] += sum(c.seconds for c in moves if c.kind == "send")
-        sync[rank] += sum(c.seconds for c in moves if c.kind != "send")
+        sends[rank] += sum(c.seconds for c in moves if c.kind == "send" or c.phase in ("forward", "backward")
+                           and c.axis == tensor_parallel.AXIS)  # per micro-batch
+        sync[rank] += sum(c.seconds * c.count for c in moves if c.kind != "send" and not (
+            c.phase in ("forward", "backward") and c.axis == tensor_parallel.AXIS))
         result.collectives += moves
         result.rows.append(StageRow(index=s, layers=[n for u in stage.units for n in names[u]],
                                     num_params=sum(numel for numel, _, _ in stage.params.values()),
                                     compute_s=stage_compute * microbatches, memory_bytes=sum(stage_memory.values())))
-    for rank in range(ranks):
+    for rank in range(ranks if layout != "tensor_parallel" else 0):  # a tensor-parallel stage has no replicas
         mine = range(rank, len(stages), ranks)
         unreduced = {name: size for s in mine for name, (_, size, rows) in stages[s].params.items()
                      if layout == "data_parallel" or rows == 0}
         moves = _stage_sync(sum(unreduced.values()), "data_parallel", cost_model, ",".join(f"stage{s}" for s in mine))
         sync[rank] += sum(c.seconds for c in moves)
         result.collectives += moves
-    for move in _tied_sync(stages, ranks, layout, dp, cost_model):
+    for move in _tied_sync(stages, ranks, layout, dp, cost_model, split):
         for rank in map(int, move.axis.removeprefix("tied").split(",")):
             sync[rank] += move.seconds
         result.collectives.append(move)
@@ -522,7 +552,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def search(measured: Measured, options: PipelineOptions, *, world_size: int, global_batch: int,
-           hardware: HardwareProfile, layouts=STAGE_LAYOUTS) -> list[Candidate]:
+           hardware: HardwareProfile, layouts=SEARCHED_LAYOUTS) -> list[Candidate]:
     """Every (pipeline ranks, schedule, micro-batches, stage layout) point ``options`` allows, priced."""
     cuts_for: dict[int, list[int]] = {}
     candidates = []
@@ -593,9 +623,16 @@ def pipeline_plan(model, args: tuple, options: PipelineOptions, *, world_size: i
     dp = world_size // options.ranks
     cuts = cuts_from_plan(given, measured.top) if given is not None else balanced_cuts(
         layer_seconds(measured, CostModel(hardware, (1,)), 1.0), options.stages)
+    split = None
+    if layout == "tensor_parallel" and dp > 1:
+        microbatch = tuple(a.chunk(dp_share)[0].chunk(microbatches)[0] if isinstance(a, torch.Tensor) else a
+                           for a in args)
+        split = tensor_parallel.layout(split_stages(measured.top, measured.unit, stage_of_units(cuts)), microbatch,
+                                       size=dp, hardware=hardware)
     candidate = price(measured, ranks=options.ranks, schedule=options.schedule, microbatches=microbatches,
-                      layout=layout, cuts=cuts, world_size=world_size, global_batch=batch_per_rank * dp,
-                      hardware=hardware)
+                      layout=layout, cuts=cuts, world_size=world_size,
+                      global_batch=batch_per_rank * (1 if layout == "tensor_parallel" else dp), hardware=hardware,
+                      split=split)
     return PipelineLayout(plan=_plan(model, candidate, hardware), top=measured.top, unit=measured.unit, cuts=cuts)
 
 
@@ -611,7 +648,7 @@ class SearchResult:
 
 
 def searched_plan(model, args: tuple, options: PipelineOptions, *, world_size: int, hardware: HardwareProfile,
-                  batch: int, global_batch: int, budget: int, layouts=STAGE_LAYOUTS) -> SearchResult:
+                  batch: int, global_batch: int, budget: int, layouts=SEARCHED_LAYOUTS) -> SearchResult:
     """Search the pipelined plans of ``model`` for ``world_size`` ranks and ``global_batch`` samples.
 
     args: one batch of ``batch`` samples (the global batch in autopar.plan, this rank's slice in compile)."""
@@ -689,17 +726,23 @@ def _plan(model, candidate: Candidate, hardware: HardwareProfile) -> Plan:
         return "S(0)" if sharded else "R"
 
     exposed = candidate.step_s - candidate.compute_s
+    split = candidate.layout == "tensor_parallel" and dp > 1
+    if split:
+        param_placements = {name: (candidate.placements.get(name, "R"), "R") for name in params}
+    else:
+        param_placements = {name: (placement(info), "R") for name, info in params.items()}
     return Plan(
         strategy="pipeline" if dp == 1 else f"pipeline+{candidate.layout}", mesh_shape=(dp, ranks),
-        axis_names=("dp", "pp"), hardware=hardware.name, fingerprint=params_fingerprint(params),
+        axis_names=(tensor_parallel.AXIS if split else "dp", "pp"), hardware=hardware.name, fingerprint=params_fingerprint(params),
         global_batch=candidate.global_batch,
-        param_placements={name: (placement(info), "R") for name, info in params.items()},
-        input_placements={0: ("S(0)", "R")}, grad_buckets=[], collectives=candidate.collectives, layers=[],
+        param_placements=param_placements, input_placements={0: ("R" if split else "S(0)", "R")}, grad_buckets=[], collectives=candidate.collectives, layers=[],
         replicated_ops={}, compute_time=candidate.compute_s, exposed_comm_time=exposed,
         estimated_step_time=candidate.step_s, peak_memory=candidate.peak_memory,
         memory_breakdown=candidate.memory_breakdown, pipeline_stages=len(candidate.rows),
         microbatches=candidate.microbatches, schedule=candidate.schedule, stages=candidate.rows,
         bubble_fraction=bubble_fraction(ranks, candidate.microbatches, candidate.schedule),
-        notes=[f"stages are {candidate.layout.replace('_', '-')} over the {dp} ranks that hold them; stage times are "
+        notes=[f"stages are {candidate.layout.replace('_', '-')} over the {dp} ranks that hold them"
+               + (" (matrices split Megatron-style, propagated by DTensor's rules; compute priced as 1/"
+                  f"{dp} of the stage's)" if split else "") + "; stage times are "
                "forward + backward FLOPs priced by the roofline, plus the activation sends between stages and "
                "their gradients (point-to-point over the pipeline link)"])
