@@ -128,7 +128,8 @@ class PipelineModule(torch.nn.Module):
             stage_sharding.apply_fully_shard(list(self.stages), self._dp_group)
         if self._tensor_parallel:
             placements = {name: where[0] for name, where in plan.param_placements.items()}
-            wrapped = stage_tensor_parallel.apply_tensor_parallel([graphs[s] for s in self._mine], self._dp_group,
+            self._stage_mesh = stage_tensor_parallel.stage_mesh(plan)
+            wrapped = stage_tensor_parallel.apply_tensor_parallel([graphs[s] for s in self._mine], self._stage_mesh,
                                                                   placements)
             self.stages = torch.nn.ModuleList(_CompiledStage(w) if mode == "graph" else w for w in wrapped)
         if world > 1:
@@ -215,7 +216,8 @@ class PipelineModule(torch.nn.Module):
         set of pipeline ranks sharing parameters (``search.pipeline``'s names: "tied" + the stages' pipeline ranks)."""
         if self.layout is None or not dist.is_initialized():
             return {}
-        groups = {self.plan.axis_names[0]: self._dp_group, "pp": self._pp_group, "dp+pp": dist.group.WORLD}
+        stage_group = self._stage_mesh.get_group() if self._tensor_parallel else self._dp_group
+        groups = {self.plan.axis_names[0]: stage_group, "pp": self._pp_group, "dp+pp": dist.group.WORLD}
         return groups | {tied_axis(ranks): group for ranks, _, group in self._tied}
 
     @property

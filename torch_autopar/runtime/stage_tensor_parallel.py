@@ -57,12 +57,19 @@ def _whole(value):
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def apply_tensor_parallel(stages: list[torch.nn.Module], group, placements: dict[str, str]) -> list[torch.nn.Module]:
-    """Store each parameter of ``stages`` as a DTensor over ``group`` in the placement ``placements`` names for it
+def stage_mesh(plan) -> DeviceMesh:
+    """The 1-D mesh of this rank's stage ranks: the stage axis of the job's one (stage ranks, pipeline) mesh
+    (``launch.mesh.job_mesh``, created once per shape: DTensor caches its redistribution plans by mesh equality,
+    which ignores process groups, so a second equal mesh over new groups would run on the first one's)."""
+    return launch.mesh.job_mesh(tuple(plan.mesh_shape), tuple(plan.axis_names))[plan.axis_names[0]]
+
+
+def apply_tensor_parallel(stages: list[torch.nn.Module], mesh: DeviceMesh,
+                          placements: dict[str, str]) -> list[torch.nn.Module]:
+    """Store each parameter of ``stages`` as a DTensor on ``mesh`` in the placement ``placements`` names for it
     (the plan's stage-axis placement, "R" where absent), each rank keeping its own piece of the (equal) whole
     tensor: no collective. A parameter two stages share is converted once. Returns the stages wrapped in
     ``TensorParallelStage``."""
-    mesh = DeviceMesh.from_group(group, launch.device_type())
     _compat.allow_implicit_replication()  # tensors the layers make (positions, masks) are whole on every rank
     converted: dict[int, torch.nn.Parameter] = {}
     for stage in stages:

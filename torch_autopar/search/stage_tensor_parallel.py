@@ -26,6 +26,9 @@ from torch_autopar.cost import HardwareProfile
 from torch_autopar.errors import AutoparError
 from torch_autopar.search.plan import PlannedCollective
 
+_RUNTIME_CHECKS = ("full batch check", "batch size check")
+"""The sharded runtime's per-step input checks, which a pipeline stage does not run (its inputs come from the
+schedule, the same on every rank of the stage by construction)."""
 AXIS = "tp"
 """The plan's name of the stage axis of tensor-parallel stages."""
 
@@ -60,14 +63,15 @@ def layout(stages: list[torch.fx.GraphModule], microbatch: tuple, *, size: int,
         with launch.mesh.planning_mesh((size,), (AXIS,)) as mesh:
             planner = Planner(program, mesh, (AXIS,), hardware=hardware, global_batch=None, solver="propagate",
                               full_batch=True)
-            plan = planner.role_propagated("tensor_parallel")
+            laid = planner.role_propagated("tensor_parallel")  # the layout: parameters' placements
+            plan = planner.executed(dataclasses.replace(laid, node_layouts={}, module_layouts={}))  # as DTensor runs it
         for name, where in plan.param_placements.items():
             if placements.setdefault(name, where[0]) != where[0]:
                 raise AutoparError(
                     f"parameter {name} is shared by two pipeline stages that split it differently ({placements[name]} "
                     f"and {where[0]}) under tensor parallelism; expected one layout for it. Use strategy="
                     "'data_parallel' or 'fully_shard' stages, or cut the pipeline elsewhere.")
-        moves.append(list(plan.collectives))
+        moves.append([c for c in plan.collectives if c.where not in _RUNTIME_CHECKS])
         with fake:
             outputs = _compat.fake_copy(stage, fake)(*values)
         values = tuple(_needing_grad(v) for v in (outputs if isinstance(outputs, tuple) else (outputs,)))
