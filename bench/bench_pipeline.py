@@ -1,12 +1,16 @@
-"""Pipeline step time on 2 gloo ranks: pp=2 under every schedule vs data parallelism, GPT, and the bubble.
+"""Pipeline step time on gloo ranks vs data parallelism, GPT, and the bubble.
 
+2 ranks: pp=2 under every schedule. 4 ranks: pp=2 under GPipe and 1F1B with each stage layout over its 2 ranks
+(data_parallel: pp x dp, fully_shard: pp x FSDP, tensor_parallel: pp x tp).
 Each variant trains the same GPT (GPT-2 init) on the same global batch; the timing alternates variants in
-rounds (median over rounds of the mean step). Measured bubble = 1 - T_one / (P x T_pp): the share of the P
+rounds (median over rounds of the mean step). Measured bubble = 1 - T_one / (W x T): the share of the W
 ranks' time not spent on the one-process step's compute (idle at the pipeline's ends, plus sends, the
-imbalance between stages and the schedule's own overhead); predicted: ``plan.bubble_fraction``
-((P - 1) / (d M + P - 1), ``search.pipeline``).
+imbalance between stages, the stage layout's collectives and the schedule's own overhead); predicted:
+``plan.bubble_fraction`` ((P - 1) / (d M + P - 1), ``search.pipeline``), which counts the schedule's idle time
+only.
 
-    python bench/bench_pipeline.py [--rounds 5] [--steps 4] [--microbatches 4]   # writes results/pipeline.json
+    python bench/bench_pipeline.py [--world 2|4] [--rounds 5] [--steps 4] [--microbatches 4]
+    # writes results/pipeline.json (2 ranks) or results/pipeline_4ranks.json
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from torch_autopar.search.pipeline import SCHEDULES  # noqa: E402
 from torch_autopar.testing import run_on_ranks  # noqa: E402
 from torch_autopar.testing.models import GPT, GPTConfig, gpt2_init, gpt_loss  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline.json")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline{}.json")
+STAGE_LAYOUTS = ("data_parallel", "fully_shard", "tensor_parallel")
+FOUR_RANK_SCHEDULES = ("gpipe", "1f1b")
 
 CONFIG = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128)
 BATCH, SEQ = 16, 64
@@ -57,15 +63,25 @@ def _variant(name: str, rank: int, world: int, microbatches: int):
             gpt_loss(pmodel(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
             optimizer.step()
         return step, None
-    pmodel = autopar.compile(_model(), x, pipeline=world, schedule=name, microbatches=microbatches,
-                             loss_fn=gpt_loss)
+    schedule, _, layout = name.partition("/")
+    replicas = 1 if layout in ("", "tensor_parallel") else world // 2
+    mine = x.chunk(replicas)[rank // 2 % replicas], y.chunk(replicas)[rank // 2 % replicas]
+    pmodel = autopar.compile(_model(), mine[0], pipeline=2, schedule=schedule, microbatches=microbatches,
+                             loss_fn=gpt_loss, strategy=layout or "auto")
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        pmodel.step(x, y)
+        pmodel.step(*mine)
         optimizer.step()
     return step, pmodel.plan
+
+
+def variant_names(world: int) -> tuple[str, ...]:
+    """data_parallel, then the pipelined variants: "schedule" on 2 ranks, "schedule/stage layout" on 4."""
+    if world == 2:
+        return ("data_parallel",) + SCHEDULES
+    return ("data_parallel",) + tuple(f"{s}/{layout}" for layout in STAGE_LAYOUTS for s in FOUR_RANK_SCHEDULES)
 
 
 def _worker(rank, world, names, rounds, steps, microbatches):
@@ -105,31 +121,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--world", type=int, choices=(2, 4), default=2)
     args = parser.parse_args()
     started, load_before = time.perf_counter(), os.getloadavg()
-    names = ("data_parallel",) + SCHEDULES
-    results = run_on_ranks(_worker, 2, names, args.rounds, args.steps, args.microbatches, timeout_s=900)
+    names = variant_names(args.world)
+    pipelined = names[1:]
+    results = run_on_ranks(_worker, args.world, names, args.rounds, args.steps, args.microbatches, timeout_s=900)
     one = _one_process(args.rounds, args.steps)
     times = {name: max(r["times"][name] for r in results) for name in names}
     report = {"command": "python bench/bench_pipeline.py " + " ".join(sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "code": code_state(), "one_process_s": one, "step_s": times,
-              "microbatches": args.microbatches,
-              "bubble": {name: {"predicted": results[0]["plans"][name][0], "measured": 1 - one / (2 * times[name])}
-                         for name in SCHEDULES},
-              "estimated_step_s": {name: results[0]["plans"][name][1] for name in SCHEDULES}}
-    print(f"2 gloo ranks, GPT {CONFIG.n_layer} x {CONFIG.n_embd}, {BATCH} x {SEQ} tokens, M = {args.microbatches}; "
-          f"one process {one * 1e3:.1f} ms")
-    print(f"{'variant':<18}{'step ms':>9}{'vs dp':>7}{'bubble predicted':>18}{'measured':>10}{'estimated ms':>14}")
+              "microbatches": args.microbatches, "world": args.world,
+              "bubble": {name: {"predicted": results[0]["plans"][name][0],
+                                "measured": 1 - one / (args.world * times[name])} for name in pipelined},
+              "estimated_step_s": {name: results[0]["plans"][name][1] for name in pipelined}}
+    print(f"{args.world} gloo ranks, GPT {CONFIG.n_layer} x {CONFIG.n_embd}, {BATCH} x {SEQ} tokens, "
+          f"M = {args.microbatches}; one process {one * 1e3:.1f} ms")
+    print(f"{'variant':<28}{'step ms':>9}{'vs dp':>7}{'bubble predicted':>18}{'measured':>10}{'estimated ms':>14}")
     for name in names:
         bubble = report["bubble"].get(name)
         columns = f"{bubble['predicted']:>18.2f}{bubble['measured']:>10.2f}" if bubble else " " * 28
         estimate = report["estimated_step_s"].get(name)
-        print(f"{name:<18}{times[name] * 1e3:>9.1f}{times[name] / times['data_parallel']:>7.2f}{columns}"
+        print(f"{name:<28}{times[name] * 1e3:>9.1f}{times[name] / times['data_parallel']:>7.2f}{columns}"
               + (f"{estimate * 1e3:>14.2f}" if estimate else ""))
     report["wall_s"] = time.perf_counter() - started
     report["machine"] = {"loadavg_after": os.getloadavg(), "cpus": os.cpu_count()}
-    write_report(report, RESULTS, load_before)
+    write_report(report, RESULTS.format("" if args.world == 2 else f"_{args.world}ranks"), load_before)
 
 
 if __name__ == "__main__":
