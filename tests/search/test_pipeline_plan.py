@@ -61,7 +61,8 @@ def test_gpt_plan_explains_stages_and_round_trips(tmp_path):
     assert not plan.is_data_parallel()  # replicated parameters, but each rank runs only its stage
     assert plan.estimated_step_time > 0 and plan.peak_memory == max(r.memory_bytes for r in plan.stages)
     text = plan.explain()
-    assert "2 stages on 2 pipeline ranks, schedule=1f1b, 2 micro-batches" in text and "bubble 33.3%" in text
+    assert ("2 stages on 2 pipeline ranks, each stage on a sub-mesh of 2 rank(s) (dp: data-parallel), "
+            "schedule=1f1b, 2 micro-batches") in text and "bubble 33.3%" in text
     assert "blocks.1, ln_f, tok.weight" in text
     plan.save(tmp_path / "plan.json")
     loaded = autopar.Plan.load(tmp_path / "plan.json")
@@ -87,6 +88,7 @@ def test_tensor_parallel_stages_split_matrices_and_price_their_collectives(tmp_p
         assert {c.phase for c in moves} >= {"forward", "backward"}, (stage, moves)
         assert all(c.count == 2 for c in moves if c.phase != "grad_sync"), moves  # once per micro-batch
     assert split.peak_memory < whole.peak_memory
+    assert "each stage on a sub-mesh of 2 rank(s) (tp: tensor-parallel)" in split.explain()
     split.save(tmp_path / "plan.json")
     assert autopar.Plan.load(tmp_path / "plan.json") == split
 
