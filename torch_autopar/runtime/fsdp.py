@@ -102,8 +102,9 @@ class FullyShardedGroups:
         self.policy = policy
         self.params = dict(module.named_parameters())
         self.names = grouped_names(module)
-        grouped = {name for names in self.names.values() for name in names}
-        self.members = {**self.names, "": [name for name in self.params if name not in grouped]}
+        self.grouped = frozenset(name for names in self.names.values() for name in names)
+        """The parameters of the groups other than the root."""
+        self.members = {**self.names, "": [name for name in self.params if name not in self.grouped]}
         """Group → its parameters; "" the root."""
         self.gathers: dict[str, GroupGather] = {}
         self.reshard = reshard

@@ -150,9 +150,8 @@ class ShardedRunner:
         the buffers replicated, as their local tensors; no DTensor dispatch."""
         with self.groups.call():
             whole = self.groups.whole_parameters()
-            grouped = {name for group, names in self.groups.names.items() for name in names}
             tensors = {name: whole[name] if name in whole else placement.local_view(param)
-                       for name, param in self._params.items() if name in whole or name not in grouped}
+                       for name, param in self._params.items() if name in whole or name not in self.groups.grouped}
             tensors.update((name, placement.local_view(buffer)) for name, buffer in self.module.named_buffers())
             output = torch.func.functional_call(self.module, tensors, args, kwargs, strict=False)
         return placement.local_batch_outputs(output, self.mesh)
