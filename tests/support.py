@@ -64,13 +64,14 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
         return MLP((12, 10, 6))
     if name == "blocks":
         return StackedMLP()
-    return {"mlp": MLP, "gpt": GPT, "branchy": Branchy, "straight": Straight, "cnn": SmallCNN}[name]()
+    return {"mlp": MLP, "gpt": GPT, "gpt_head": AliasedHeadGPT, "branchy": Branchy, "straight": Straight,
+            "cnn": SmallCNN}[name]()
 
 
 def global_batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global (inputs, targets) of training step ``step`` for model ``name``: same on every rank."""
     generator = torch.Generator().manual_seed(1000 + step)
-    if name == "gpt":
+    if name in ("gpt", "gpt_head"):
         tokens = torch.randint(0, 96, (GLOBAL_BATCH, 17), generator=generator)
         return tokens[:, :-1], tokens[:, 1:]
     if name == "cnn":
@@ -86,7 +87,7 @@ def global_batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loss_fn(name: str, output, target):
     if name == "cnn":
         return F.cross_entropy(output, target)
-    return gpt_loss(output, target) if name == "gpt" else F.mse_loss(output, target)
+    return gpt_loss(output, target) if name in ("gpt", "gpt_head") else F.mse_loss(output, target)
 
 
 def make_optimizer(name: str, params):
@@ -246,6 +247,23 @@ def full(tensor):
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class AliasedHeadGPT(GPT):
+    """The GPT with its output head an ``nn.Linear`` whose weight IS the token embedding's (``head.weight =
+    tok.weight``, as nanoGPT and transformers tie them): one parameter under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(self.config.n_embd, self.config.vocab_size, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
 
 
 class StackedMLP(nn.Module):

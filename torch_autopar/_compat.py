@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
@@ -31,6 +32,13 @@ __all__ = [
     "functional_wait_tensor", "functional_all_gather", "recompute_in_backward", "DynamoUnsupported",
     "safe_checkpoint_reader", "recording_ops", "pytree",
 ]
+
+
+def unbacked_mesh(device_type: str, ranks: torch.Tensor, names) -> DeviceMesh:
+    """A DeviceMesh over ``ranks`` whose axes have no process groups (to plan on: DTensor's layout rules need a
+    mesh, not communication). Private ``DeviceMesh(..., _init_backend=False)``: no public equivalent in torch
+    2.13."""
+    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(names), _init_backend=False)
 
 
 def export_joint(module: torch.nn.Module, args: tuple, kwargs: dict | None, *, names_from: torch.nn.Module | None = None):

@@ -92,7 +92,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
     solver: "auto" (exact MILP unless the problem is too large, then propagation), "milp" or "propagate".
     fold_layers: capture only the first, one middle and the last layer of long lists of identical layers and
     weigh the middle one by the number of layers it stands for (see capture.fold); False captures every layer.
-    pipeline / microbatches / schedule: as in ``compile``; the mesh's ranks are then (data-parallel, pipeline).
+    pipeline / microbatches / schedule: as in ``compile``; the mesh's ranks are then (stage ranks, pipeline).
     mixed_precision: as in ``compile``; compute and activations are priced in its param_dtype, gradient
     reductions in its reduce_dtype.
     full_batch: as in ``compile``: every rank passes the whole batch, so inputs arrive and outputs leave
@@ -210,7 +210,7 @@ def _check_pipeline_strategy(strategy, mesh, full_batch, options) -> None:
     if given:
         pipelining.stage_layout(strategy)
     if mesh is not None or full_batch:
-        raise AutoparError(f"pipeline= lays the ranks out as (data-parallel, pipeline) itself; found mesh={mesh!r}, "
+        raise AutoparError(f"pipeline= lays the ranks out as (stage ranks, pipeline) itself; found mesh={mesh!r}, "
                            f"full_batch={full_batch}. Drop mesh= and full_batch= for a pipelined model.")
 
 

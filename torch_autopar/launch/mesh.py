@@ -76,13 +76,14 @@ def planning_mesh(mesh_shape, axis_names):
             yield mesh
         return
     shape = check_mesh_shape(mesh_shape, None, "mesh_shape")
+    if len(axis_names) != len(shape):
+        raise AutoparError(f"axis_names {tuple(axis_names)} must name each of the {len(shape)} mesh axes of {shape}.")
     rank, world = dist.get_rank(), dist.get_world_size()
     if math.prod(shape) > world:
         raise AutoparError(f"cannot plan for {math.prod(shape)} devices inside a running job of {world} ranks; "
                            "plan with autopar.plan(...) from a process without a process group.")
     ranks = sorted((rank + i) % world for i in range(math.prod(shape)))  # DTensor plans only on meshes holding it
-    yield DeviceMesh(device_type(), torch.tensor(ranks).reshape(shape), mesh_dim_names=tuple(axis_names),
-                     _init_backend=False)
+    yield _compat.unbacked_mesh(device_type(), torch.tensor(ranks).reshape(shape), axis_names)
 
 
 _JOB_MESHES: dict = {}
@@ -112,14 +113,12 @@ def offline_mesh(mesh_shape, axis_names=None):
                 f"cannot plan for {math.prod(shape)} devices inside a running job of {dist.get_world_size()} ranks; "
                 "call autopar.plan(...) from a process without a process group (it uses a fake one)."
             )
-        yield DeviceMesh(device_type(), torch.arange(math.prod(shape), device="cpu").reshape(shape),
-                         mesh_dim_names=names, _init_backend=False)
+        yield _compat.unbacked_mesh(device_type(), torch.arange(math.prod(shape), device="cpu").reshape(shape), names)
         return
     dist.init_process_group("fake", store=_compat.fake_store(), rank=0, world_size=math.prod(shape))
     try:
         with torch.device("cpu"):  # a meta default device (natural around meta models) must not reach the mesh
-            mesh = DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names,
-                              _init_backend=False)
+            mesh = _compat.unbacked_mesh("cpu", torch.arange(math.prod(shape)).reshape(shape), names)
         yield mesh
     finally:
         dist.destroy_process_group()

@@ -1,13 +1,16 @@
 """``PipelineModule``: a model cut into pipeline stages (``search.pipeline``), run by ``torch.distributed.pipelining``.
 
-Ranks form a (data-parallel, pipeline) mesh, row-major: rank = d * P + p holds pipeline rank p of replica d
+Ranks form a (stage ranks, pipeline) mesh, row-major: rank = d * P + p holds pipeline rank p of stage rank d
 (stages p, p + P, ... of the plan: one stage each, two under the interleaved schedules). The ranks of one
-pipeline pass the same batch (``data_parallel_rank``: d); each replica passes its slice of the global batch.
+pipeline pass the same batch. The stage ranks d are data-parallel replicas (``data_parallel_rank``: d), each
+passing its slice of the global batch, unless the stages are tensor parallel: then they pass the same batch
+(``data_parallel_rank`` 0 of 1) and hold pieces of each stage's matrices (``runtime.stage_tensor_parallel``).
 A step: ``PipelineStage`` + the chosen ``Schedule*`` run forward and backward over the micro-batches (activations
 sent between stages by the schedule), then this rank's fresh gradients are scaled to the mean over micro-batches,
 summed over the stages that share a tied parameter (each holds a copy: an embedding tied to the output head)
-and averaged over the data-parallel ranks of the stage (DDP's semantics), so every copy of a parameter gets
-the gradient of the global batch's mean loss and the user's optimizer keeps the copies equal. Gradients
+and averaged over the data-parallel ranks of the stage (DDP's semantics; tensor-parallel stages instead leave
+each gradient in its parameter's layout, ``settle_grads``), so every copy of a parameter gets the gradient of the
+global batch's mean loss and the user's optimizer keeps the copies equal. Gradients
 accumulated before the step are set aside and added back, so ``accumulate=K`` sums exact gradients.
 Fully-sharded stages (a plan of strategy "pipeline+fully_shard", dp > 1) run under FSDP2
 (``runtime.stage_sharding``): the schedule's last backward reduce-scatters each stage's gradients (the mean over
@@ -117,21 +120,20 @@ class PipelineModule(torch.nn.Module):
             self._pp_group = _new_groups([[d * self._pp + p for p in range(self._pp)] for d in range(self._dp)], rank)
             self._dp_group = _new_groups([[d * self._pp + p for d in range(self._dp)] for p in range(self._pp)], rank)
             tied = self._tied_groups(graphs, rank)
-        mode = self.mode or get_mode()
-        self.stages = torch.nn.ModuleList(_CompiledStage(graphs[s]) if mode == "graph" else graphs[s]
-                                          for s in self._mine)
         self._sharded = stage_sharding.is_sharded(plan, self._dp)
         self._tensor_parallel = stage_tensor_parallel.is_tensor_parallel(plan, self._dp)
         if self._tensor_parallel != (self.stage_layout == "tensor_parallel" and self._dp > 1):
             raise AssertionError(f"plan {plan.strategy} built as stage layout {self.stage_layout}")
+        modules = [graphs[s] for s in self._mine]
+        if self._tensor_parallel:  # each parameter stored as the plan places it, under every name of a tied one
+            placements = {name: plan.param_placements[first][0] for name, first in self._first_names.items()
+                          if first in plan.param_placements}
+            self._stage_mesh = stage_tensor_parallel.stage_mesh(plan)
+            modules = stage_tensor_parallel.apply_tensor_parallel(modules, self._stage_mesh, placements, self._user)
+        mode = self.mode or get_mode()
+        self.stages = torch.nn.ModuleList(_CompiledStage(m) if mode == "graph" else m for m in modules)
         if self._sharded:  # replaces the stages' parameters by shards: the tied copies are found by name after
             stage_sharding.apply_fully_shard(list(self.stages), self._dp_group)
-        if self._tensor_parallel:
-            placements = {name: where[0] for name, where in plan.param_placements.items()}
-            self._stage_mesh = stage_tensor_parallel.stage_mesh(plan)
-            wrapped = stage_tensor_parallel.apply_tensor_parallel([graphs[s] for s in self._mine], self._stage_mesh,
-                                                                  placements)
-            self.stages = torch.nn.ModuleList(_CompiledStage(w) if mode == "graph" else w for w in wrapped)
         if world > 1:
             mine = {n: p for s in self._mine for n, p in graphs[s].named_parameters(remove_duplicate=False)}
             self._tied = [(ranks, [mine[n] for n in names], group) for ranks, names, group in tied]
@@ -294,8 +296,8 @@ class PipelineModule(torch.nn.Module):
         """Scale this rank's gradients so that the whole model's ``norm_type``-norm is at most ``max_norm``;
         returns the norm before clipping, the same on every rank (call on every rank, after ``step``). Each
         element counts once: a gradient every data-parallel rank holds whole, or a tied parameter's copy on
-        several pipeline ranks, is divided by its number of copies; a fully-sharded stage's shards count as
-        they are. (``autopar.clip_grad_norm_`` on ``pmodel.parameters()`` would see one rank's stages only.)"""
+        several pipeline ranks, is divided by its number of copies, and so is a DTensor gradient by the ranks it
+        is replicated on (a tensor-parallel stage's vectors); shards count as they are. (``autopar.clip_grad_norm_`` on ``pmodel.parameters()`` would see one rank's stages only.)"""
         copies_of = {id(p): len(ranks) for ranks, members, _ in getattr(self, "_tied", []) for p in members}
         norm_type = float(norm_type)
         grads, total = [], torch.zeros((), dtype=torch.float64, device=launch.device_type())
@@ -339,7 +341,8 @@ class PipelineModule(torch.nn.Module):
                     g.div_(self.data_parallel_size)
 
     def _global_loss(self, losses) -> torch.Tensor:
-        """Mean over micro-batches on the last stage, then over data-parallel replicas: one all-reduce."""
+        """Mean over micro-batches on the last stage, then over its ranks (data-parallel replicas, or
+        tensor-parallel ranks holding the same loss): one all-reduce."""
         local = torch.stack([l.detach().float() for l in losses]).mean() if losses else \
             torch.zeros((), device=launch.device_type())  # one fp32 scalar: search.pipeline.LOSS_BYTES
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -380,7 +383,7 @@ class PipelineModule(torch.nn.Module):
         """Full tensors of the whole model under the user's names, gathered from the stages (call on every rank)."""
         full = self._user.state_dict(*args, **kwargs)
         if self._sharded or self._tensor_parallel:
-            stage_sharding.full_state([self._graphs[s] for s in self._mine], full)
+            stage_sharding.full_state(full)
         if self.layout is None or self._pp == 1:
             return full
         owner = {}

@@ -92,20 +92,18 @@ def dense_grads(params) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
 
 
-def full_state(graphs: list[torch.nn.Module], full: dict) -> None:
-    """Replace each sharded tensor of ``graphs`` (this rank's stages) in ``full`` by the whole tensor, gathered over
-    its dp ranks (every rank of the group calls this with the same stages, so the gathers pair up)."""
-    for graph in graphs:
-        for name, value in graph.state_dict(keep_vars=True).items():
-            if isinstance(value, DTensor):
-                full[name] = value.detach().full_tensor()
+def full_state(full: dict) -> None:
+    """Replace each sharded tensor in ``full`` (the user's module's state dict, holding this rank's stages'
+    shards, under every name of a tied one) by the whole tensor, gathered over the ranks of its stage (they hold
+    the same stages, so their gathers pair up, in the state dict's order)."""
     for name, value in full.items():
-        if isinstance(value, DTensor):  # a module of this rank's stage, registered under a second name
-            raise AssertionError(f"{name} is still sharded after gathering this rank's stages")
+        if isinstance(value, DTensor):
+            full[name] = value.detach().full_tensor()
 
 
 def load_full_state(graphs: list[torch.nn.Module], state_dict: dict) -> None:
-    """Copy each shard's rows of the full tensors in ``state_dict`` into this rank's sharded stages (no collective)."""
+    """Copy each shard's piece (its rows, or its columns for a tensor-parallel ``Shard(1)``) of the full tensors in
+    ``state_dict`` into this rank's sharded stages (no collective)."""
     with torch.no_grad():
         for graph in graphs:
             for name, value in graph.state_dict(keep_vars=True).items():

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch_autopar import _compat, launch
 from torch_autopar.strategies.placements import parse_placement
 
+pytree = _compat.pytree()
 TENSOR_PARALLEL_STRATEGY = "pipeline+tensor_parallel"
 """The plan strategy whose stages run tensor parallel (``search.pipeline._plan``)."""
 
@@ -47,10 +48,7 @@ class TensorParallelStage(torch.nn.Module):
     def forward(self, *args):
         inputs = tuple(DTensor.from_local(a, self._mesh, [Replicate()], run_check=False)
                        if isinstance(a, torch.Tensor) else a for a in args)
-        outputs = self.stage(*inputs)
-        if isinstance(outputs, tuple):
-            return tuple(_whole(o) for o in outputs)
-        return _whole(outputs)
+        return pytree.tree_map(_whole, self.stage(*inputs))
 
 
 def _whole(value):
@@ -64,12 +62,13 @@ def stage_mesh(plan) -> DeviceMesh:
     return launch.mesh.job_mesh(tuple(plan.mesh_shape), tuple(plan.axis_names))[plan.axis_names[0]]
 
 
-def apply_tensor_parallel(stages: list[torch.nn.Module], mesh: DeviceMesh,
-                          placements: dict[str, str]) -> list[torch.nn.Module]:
+def apply_tensor_parallel(stages: list[torch.nn.Module], mesh: DeviceMesh, placements: dict[str, str],
+                          model: torch.nn.Module) -> list[torch.nn.Module]:
     """Store each parameter of ``stages`` as a DTensor on ``mesh`` in the placement ``placements`` names for it
     (the plan's stage-axis placement, "R" where absent), each rank keeping its own piece of the (equal) whole
-    tensor: no collective. A parameter two stages share is converted once. Returns the stages wrapped in
-    ``TensorParallelStage``."""
+    tensor: no collective. A parameter two stages share is converted once, and ``model`` (the user's module,
+    whose modules the stages share) holds the converted one under every name, a tied name of another stage's
+    module included. Returns the stages wrapped in ``TensorParallelStage``."""
     _compat.allow_implicit_replication()  # tensors the layers make (positions, masks) are whole on every rank
     converted: dict[int, torch.nn.Parameter] = {}
     for stage in stages:
@@ -82,6 +81,10 @@ def apply_tensor_parallel(stages: list[torch.nn.Module], mesh: DeviceMesh,
                     placement = parse_placement(placements.get(name, "R"))
                     shard = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=None)
                     converted[id(param)] = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
+                module._parameters[leaf] = converted[id(param)]
+    for module in model.modules():  # e.g. an output head tied to this stage's embedding, run by another stage
+        for leaf, param in list(module._parameters.items()):
+            if param is not None and id(param) in converted:
                 module._parameters[leaf] = converted[id(param)]
     return [TensorParallelStage(stage, mesh) for stage in stages]
 

@@ -47,7 +47,7 @@ def _collective_summary(plan) -> list[str]:
 
 def _pipeline_lines(plan) -> list[str]:
     """Stages (modules, est. compute, memory), micro-batches, schedule and the predicted bubble."""
-    layout = plan.strategy.removeprefix("pipeline").removeprefix("+") or "whole"
+    layout = plan.stage_layout
     lines = [f"pipeline: {plan.pipeline_stages} stages on {plan.mesh_shape[-1]} pipeline ranks, each stage on a "
              f"sub-mesh of {plan.mesh_shape[0]} rank(s) ({plan.axis_names[0]}: {layout.replace('_', '-')}), "
              f"schedule={plan.schedule}, {plan.microbatches} micro-batches per rank and step, predicted bubble "

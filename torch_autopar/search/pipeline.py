@@ -14,7 +14,9 @@ The search, Alpa's inter-op formulation with one sub-mesh of world / p ranks per
               the L layers,
               M micro-batches (M divides a replica's batch; torch's schedules' own limits: 1F1B needs M >= p),
               and the layout inside each stage over its world / p ranks ("data_parallel": whole stage, gradients
-              all-reduced; "fully_shard": parameters, gradients and Adam state sharded, gathered for the step)
+              all-reduced; "fully_shard": parameters, gradients and Adam state sharded, gathered for the step;
+              "tensor_parallel", pipeline=N only, not searched: matrices split, every rank of a stage passing the
+              same batch, its collectives per micro-batch in t_r, ``search.stage_tensor_parallel``)
   objective   step = M · max_r t_r + (Σ_r t_r − max_r t_r) / d + max_r (sync_r + opt_r), where t_r is pipeline rank r's
               time per micro-batch (its stages' forward + backward compute plus the activation sends and their
               gradients to the next stage, point-to-point over the cost model's pipeline link) and sync_r its
@@ -517,9 +519,10 @@ def price(measured: Measured, *, ranks: int, schedule: str, microbatches: int, l
         if split is not None:
             moves += tensor_parallel.stage_moves(split, s, microbatches)
         compute[rank] += stage_compute
-        optimizer[rank] += _stage_optimizer(stage_memory["parameters"], len(stage.params), layout, cost_model)
-        sends[rank] += sum(c.seconds for c in moves if c.kind == "send" or c.phase in ("forward", "backward")
-                           and c.axis == tensor_parallel.AXIS)  # per micro-batch
+        optimizer[rank] += _stage_optimizer(stage_memory["parameters"], len(stage.params),
+                                            layout if dp > 1 else "data_parallel", cost_model)
+        sends[rank] += sum(c.seconds * c.count / microbatches for c in moves if c.kind == "send" or c.phase in (
+            "forward", "backward") and c.axis == tensor_parallel.AXIS)  # per micro-batch
         sync[rank] += sum(c.seconds * c.count for c in moves if c.kind != "send" and not (
             c.phase in ("forward", "backward") and c.axis == tensor_parallel.AXIS))
         result.collectives += moves
@@ -627,8 +630,8 @@ def pipeline_plan(model, args: tuple, options: PipelineOptions, *, world_size: i
     if layout == "tensor_parallel" and dp > 1:
         microbatch = tuple(a.chunk(dp_share)[0].chunk(microbatches)[0] if isinstance(a, torch.Tensor) else a
                            for a in args)
-        split = tensor_parallel.layout(split_stages(measured.top, measured.unit, stage_of_units(cuts)), microbatch,
-                                       size=dp, hardware=hardware)
+        split = tensor_parallel.layout(model, split_stages(measured.top, measured.unit, stage_of_units(cuts)),
+                                       microbatch, size=dp, hardware=hardware)
     candidate = price(measured, ranks=options.ranks, schedule=options.schedule, microbatches=microbatches,
                       layout=layout, cuts=cuts, world_size=world_size,
                       global_batch=batch_per_rank * (1 if layout == "tensor_parallel" else dp), hardware=hardware,
@@ -697,7 +700,7 @@ def choose(intra: Plan | None, intra_error: str | None, found: SearchResult,
 
 def stage_layout(plan: Plan) -> str:
     """The layout inside a pipelined plan's stages ("pipeline" alone: one rank per stage, whole)."""
-    layout = plan.strategy.removeprefix("pipeline").removeprefix("+") or "data_parallel"
+    layout = plan.stage_layout
     if layout not in STAGE_LAYOUTS:
         raise AutoparError(f"this plan's stages are {layout} over their ranks ({plan.strategy}); the runtime runs "
                            f"stages laid out as one of {STAGE_LAYOUTS}. Plan with compile(..., pipeline='auto') or "
@@ -733,9 +736,10 @@ def _plan(model, candidate: Candidate, hardware: HardwareProfile) -> Plan:
         param_placements = {name: (placement(info), "R") for name, info in params.items()}
     return Plan(
         strategy="pipeline" if dp == 1 else f"pipeline+{candidate.layout}", mesh_shape=(dp, ranks),
-        axis_names=(tensor_parallel.AXIS if split else "dp", "pp"), hardware=hardware.name, fingerprint=params_fingerprint(params),
-        global_batch=candidate.global_batch,
-        param_placements=param_placements, input_placements={0: ("R" if split else "S(0)", "R")}, grad_buckets=[], collectives=candidate.collectives, layers=[],
+        axis_names=(tensor_parallel.AXIS if split else "dp", "pp"), hardware=hardware.name,
+        fingerprint=params_fingerprint(params), global_batch=candidate.global_batch,
+        param_placements=param_placements, input_placements={0: ("R" if split else "S(0)", "R")}, grad_buckets=[],
+        collectives=candidate.collectives, layers=[],
         replicated_ops={}, compute_time=candidate.compute_s, exposed_comm_time=exposed,
         estimated_step_time=candidate.step_s, peak_memory=candidate.peak_memory,
         memory_breakdown=candidate.memory_breakdown, pipeline_stages=len(candidate.rows),

@@ -133,7 +133,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     version: int = PLAN_FORMAT_VERSION
     pipeline_stages: int = 1
-    """Pipeline stages (1: not pipelined); the mesh is then (data-parallel, pipeline)."""
+    """Pipeline stages (1: not pipelined); the mesh is then (stage ranks: "dp" or "tp", pipeline)."""
     microbatches: int = 1
     """Micro-batches each rank's batch is cut into per step (pipelined plans)."""
     schedule: str | None = None
@@ -181,6 +181,12 @@ class Plan:
         for axis_size in self.mesh_shape:
             size *= axis_size
         return size
+
+    @property
+    def stage_layout(self) -> str:
+        """A pipelined plan's layout inside its stages, from its strategy ("pipeline+<layout>"; "pipeline" alone:
+        each stage whole on one rank, "data_parallel")."""
+        return self.strategy.removeprefix("pipeline").removeprefix("+") or "data_parallel"
 
     def is_data_parallel(self) -> bool:
         """Parameters replicated on every axis and some input split: each rank runs the whole model on its slice

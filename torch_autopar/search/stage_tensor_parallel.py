@@ -35,25 +35,26 @@ AXIS = "tp"
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TensorParallelLayout:
-    """A model's parameters over ``size`` stage ranks and what each stage moves."""
+    """A model's parameters over a stage's ranks and what each stage moves."""
 
-    size: int
     placements: dict[str, str]
-    """Parameter name → its placement on the stage axis ("S(0)", "S(1)", "R")."""
+    """Parameter name (every name of a tied parameter) → its placement on the stage axis ("S(0)", "S(1)", "R")."""
     held: dict[str, int]
-    """Parameter name → bytes each rank holds."""
+    """Parameter name (every name of a tied parameter) → bytes each rank holds."""
     moves: list[list[PlannedCollective]]
     """Per stage, its collectives for one micro-batch (phase "forward" / "backward") and one step ("grad_sync")."""
 
 
-def layout(stages: list[torch.fx.GraphModule], microbatch: tuple, *, size: int,
+def layout(model: torch.nn.Module, stages: list[torch.fx.GraphModule], microbatch: tuple, *, size: int,
            hardware: HardwareProfile) -> TensorParallelLayout:
     """Plan each stage's tensor-parallel layout over ``size`` ranks for one micro-batch ``microbatch`` of the
-    model's inputs (every rank of a stage passes it whole; stage s > 0 gets the previous one's outputs, whole,
-    and returns their gradients)."""
+    inputs of ``model`` (cut into ``stages``; every rank of a stage passes it whole; stage s > 0 gets the previous
+    one's outputs, whole, and returns their gradients). A parameter is one placement under all its names: an
+    output head tied to the embedding (``head.weight = tok.weight``) is split alike on both stages."""
     from torch_autopar.search.planner import Planner  # the planner imports the pipeline search
 
-    placements: dict[str, str] = {}
+    placed: dict[int, tuple[str, str]] = {}
+    """id(parameter) → (its placement, the stage name that placed it first)."""
     moves: list[list[PlannedCollective]] = []
     fake = _compat.FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
@@ -66,18 +67,21 @@ def layout(stages: list[torch.fx.GraphModule], microbatch: tuple, *, size: int,
             laid = planner.role_propagated("tensor_parallel")  # the layout: parameters' placements
             plan = planner.executed(dataclasses.replace(laid, node_layouts={}, module_layouts={}))  # as DTensor runs it
         for name, where in plan.param_placements.items():
-            if placements.setdefault(name, where[0]) != where[0]:
+            first, first_name = placed.setdefault(id(stage.get_parameter(name)), (where[0], name))
+            if first != where[0]:
                 raise AutoparError(
-                    f"parameter {name} is shared by two pipeline stages that split it differently ({placements[name]} "
-                    f"and {where[0]}) under tensor parallelism; expected one layout for it. Use strategy="
+                    f"parameter {first_name} (also {name}) is shared by two pipeline stages that split it differently "
+                    f"({first} and {where[0]}) under tensor parallelism; expected one layout for it. Use strategy="
                     "'data_parallel' or 'fully_shard' stages, or cut the pipeline elsewhere.")
         moves.append([c for c in plan.collectives if c.where not in _RUNTIME_CHECKS])
         with fake:
             outputs = _compat.fake_copy(stage, fake)(*values)
         values = tuple(_needing_grad(v) for v in (outputs if isinstance(outputs, tuple) else (outputs,)))
-    params = {name: p for stage in stages for name, p in stage.named_parameters(remove_duplicate=False)}
-    held = {name: _held_bytes(param, placements.get(name, "R"), size) for name, param in params.items()}
-    return TensorParallelLayout(size=size, placements=placements, held=held, moves=moves)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update((name, p) for stage in stages for name, p in stage.named_parameters(remove_duplicate=False))
+    placements = {name: placed.get(id(param), ("R",))[0] for name, param in params.items()}
+    held = {name: _held_bytes(param, placements[name], size) for name, param in params.items()}
+    return TensorParallelLayout(placements=placements, held=held, moves=moves)
 
 
 def _needing_grad(value):

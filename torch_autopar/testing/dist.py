@@ -94,13 +94,13 @@ def _wait_for_ranks(processes, deadline: float, out_dir: str, world_size: int, a
     wait for it until their collective timeout), unless ``allow_death``."""
     while True:
         codes = [process.exitcode for process in processes]
-        if all(code is not None for code in codes):
-            return
         dead = [rank for rank, code in enumerate(codes)
                 if code not in (None, 0) and not os.path.exists(os.path.join(out_dir, f"{rank}.pkl"))]
-        if dead and not allow_death:
+        if dead and not allow_death:  # checked first: ranks that all died between two polls died all the same
             raise RankFailure(f"rank {dead[0]} died with exit code {codes[dead[0]]} and no result\n"
                               + _collect_errors(out_dir, world_size))
+        if all(code is not None for code in codes):
+            return
         if time.monotonic() > deadline:
             raise RankFailure(f"ranks {[r for r, c in enumerate(codes) if c is None]} still running at the "
                               f"deadline: killed. {_collect_errors(out_dir, world_size)}")
