@@ -5,7 +5,8 @@ for the GPT (embedding tied to the output head across the two stages) and an MLP
 (strategy="fully_shard": FSDP2 over each stage's 2 data-parallel ranks, each rank holding half of its stage's
 parameters; interleaved 1F1B and zero-bubble too), one of them accumulating two half-batches per step and reloaded from its full state_dict,
 and with tensor-parallel stages (pp=2 x tp=2, strategy="tensor_parallel": each stage's matrices split over its 2
-ranks, which pass the same batch; GPT eager, MLP graph mode);
+ranks, which pass the same batch; GPT 1F1B eager, MLP GPipe graph, interleaved 1F1B and zero-bubble eager; a GPT
+whose head is its embedding under a second name);
 every step runs exactly its rank's share of the plan's collectives (counted; not yet for the GPT's tensor-parallel stages); ``save_checkpoint`` /
 ``load_checkpoint`` resume bit for bit (tied, fully-sharded and interleaved stages) and load into the model without
 a pipeline; ``pmodel.clip_grad_norm_`` clips by the whole model's norm; ``autopar.Model.train`` drives
@@ -47,7 +48,8 @@ CASES = {
         ("gpt", "1f1b", "graph", "fully_shard"), ("blocks", "1f1b", "eager", "fully_shard"),
         ("blocks", "interleaved_1f1b", "eager", "fully_shard"), ("blocks", "zero_bubble", "eager", "fully_shard"),
         ("gpt", "1f1b", "eager", "tensor_parallel"), ("blocks", "gpipe", "graph", "tensor_parallel"),
-        ("gpt_head", "gpipe", "eager", "tensor_parallel")],
+        ("gpt_head", "gpipe", "eager", "tensor_parallel"), ("blocks", "interleaved_1f1b", "eager", "tensor_parallel"),
+        ("blocks", "zero_bubble", "eager", "tensor_parallel")],
 }
 """The 4-rank cases with a fourth entry lay each stage out that way over its 2 ranks (else data parallel)."""
 

@@ -52,7 +52,9 @@ class TensorParallelStage(torch.nn.Module):
 
 
 def _whole(value):
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    """A DTensor output as a plain whole tensor of its own (``full_tensor`` may return a view of DTensor's local
+    tensor, and the zero-bubble schedule detaches stage outputs in place, which a view refuses)."""
+    return value.full_tensor().clone() if isinstance(value, DTensor) else value
 
 
 def stage_mesh(plan) -> DeviceMesh:
