@@ -113,7 +113,8 @@ def offline_mesh(mesh_shape, axis_names=None):
                 f"cannot plan for {math.prod(shape)} devices inside a running job of {dist.get_world_size()} ranks; "
                 "call autopar.plan(...) from a process without a process group (it uses a fake one)."
             )
-        yield _compat.unbacked_mesh(device_type(), torch.arange(math.prod(shape), device="cpu").reshape(shape), names)
+        with planning_mesh(shape, names) as mesh:
+            yield mesh
         return
     dist.init_process_group("fake", store=_compat.fake_store(), rank=0, world_size=math.prod(shape))
     try:

@@ -38,6 +38,8 @@ BATCH_CHECK_BYTES = 16
 """The sharded runtime's per-step check that all ranks pass equal batch slices (two float64)."""
 FULL_BATCH_CHECK_BYTES = 32
 """Per input tensor, the check that all ranks pass the same full batch (two checksums and their negatives)."""
+BATCH_CHECKS = ("batch size check", "full batch check")
+"""The ``where`` of those checks' collectives (``Executing._batch_check``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,8 +225,8 @@ class Executing:
         """The sharded runtime's per-step input check: equal batch slices (16 bytes), or with full batches the
         same batch on every rank (``runtime.checks.check_same_full_batch``: 32 bytes per input tensor)."""
         tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in self.program.input_nodes.values())
-        nbytes, where = (FULL_BATCH_CHECK_BYTES * tensors, "full batch check") if self.full_batch else (
-            BATCH_CHECK_BYTES, "batch size check")
+        nbytes, where = (FULL_BATCH_CHECK_BYTES * tensors, BATCH_CHECKS[1]) if self.full_batch else (
+            BATCH_CHECK_BYTES, BATCH_CHECKS[0])
         return PlannedCollective(kind="all_reduce", axis=ALL_AXES_SEPARATOR.join(self.axis_names), nbytes=nbytes,
                                  phase="forward", where=where, seconds=self.cost.collective_time("all_reduce", 0, nbytes))
 

@@ -24,11 +24,9 @@ from torch_autopar import _compat, launch
 from torch_autopar.capture import capture
 from torch_autopar.cost import HardwareProfile
 from torch_autopar.errors import AutoparError
+from torch_autopar.search.executed import BATCH_CHECKS
 from torch_autopar.search.plan import PlannedCollective
 
-_RUNTIME_CHECKS = ("full batch check", "batch size check")
-"""The sharded runtime's per-step input checks, which a pipeline stage does not run (its inputs come from the
-schedule, the same on every rank of the stage by construction)."""
 AXIS = "tp"
 """The plan's name of the stage axis of tensor-parallel stages."""
 
@@ -73,7 +71,8 @@ def layout(model: torch.nn.Module, stages: list[torch.fx.GraphModule], microbatc
                     f"parameter {first_name} (also {name}) is shared by two pipeline stages that split it differently "
                     f"({first} and {where[0]}) under tensor parallelism; expected one layout for it. Use strategy="
                     "'data_parallel' or 'fully_shard' stages, or cut the pipeline elsewhere.")
-        moves.append([c for c in plan.collectives if c.where not in _RUNTIME_CHECKS])
+        # the sharded runtime's input checks: a stage's inputs come from the schedule, equal on its ranks
+        moves.append([c for c in plan.collectives if c.where not in BATCH_CHECKS])
         with fake:
             outputs = _compat.fake_copy(stage, fake)(*values)
         values = tuple(_needing_grad(v) for v in (outputs if isinstance(outputs, tuple) else (outputs,)))
