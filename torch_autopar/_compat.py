@@ -25,7 +25,8 @@ from torch.utils import flop_counter as _flop_counter
 
 __all__ = [
     "DTensorSpec", "FakeTensor", "FakeTensorMode", "TensorMeta", "boxed_python",
-    "export_joint", "input_kind", "grad_target", "tangent_output_index", "output_index",
+    "export_joint", "capture_forward", "captured_output_spec", "module_paths", "input_kind", "grad_target",
+    "tangent_output_index", "output_index",
     "propagate_sharding", "node_flops", "queue_backward_callback", "default_store", "fake_store",
     "aot_autograd_backend",
     "register_dynamo_backend", "functional_all_reduce_inplace", "functional_all_reduce", "functional_reduce_scatter",
@@ -61,14 +62,37 @@ def joint_with_descriptors(stack: contextlib.ExitStack, module: torch.nn.Module,
                            names_from: torch.nn.Module | None = None):
     """``export_joint``'s capture, returned as AOTAutograd's ``JointWithDescriptors`` (graph_module, params_spec,
     buffers_spec, out_spec) for ``compile_joint``; the tracing context lives as long as ``stack``."""
-    from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
     from torch._guards import TracingContext, tracing
+
+    captured = capture_forward(module, args, kwargs, names_from=names_from)
+    stack.enter_context(tracing(TracingContext(captured.meta.get("fake_mode"))))
+    return aot_export_joint_with_descriptors(stack, captured, args, kwargs or {})
+
+
+def capture_forward(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+                    names_from: torch.nn.Module | None = None) -> torch.fx.GraphModule:
+    """``module(*args, **kwargs)``'s forward alone, captured by dynamo as ``export_joint`` captures it: a torch-level
+    GraphModule (no backward, no decomposition) whose parameters and buffers are ``get_attr`` nodes under their
+    names in ``names_from`` (default ``module``), each node's ``meta["nn_module_stack"]`` naming the modules it ran
+    in; ``captured_output_spec`` gives the structure of its flat outputs. Shapes are those of ``args``. Private
+    ``_dynamo_graph_capture_for_export``: ``torch.export``'s own capture, with no public forward-only entry."""
+    from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
 
     with compiling_without_logging():
         captured = _dynamo_graph_capture_for_export(module)(*args, **(kwargs or {}))
     _restore_names(names_from if names_from is not None else module, captured)
-    stack.enter_context(tracing(TracingContext(captured.meta.get("fake_mode"))))
-    return aot_export_joint_with_descriptors(stack, captured, args, kwargs or {})
+    return captured
+
+
+def captured_output_spec(captured: torch.fx.GraphModule):
+    """The pytree spec that turns ``capture_forward``'s flat graph outputs back into the module's output."""
+    return captured._out_spec
+
+
+def module_paths(node: torch.fx.Node) -> list[str]:
+    """The qualified paths (as dynamo writes them: "L['self'].model.layers.0") of the modules ``node`` ran
+    inside, outermost first (``meta["nn_module_stack"]``, filled by dynamo's capture)."""
+    return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
 
 
 def trace_local_joint(run: Callable, local_inputs: list) -> torch.fx.GraphModule:

@@ -56,3 +56,58 @@ def run_case(rank, world, name, strategy, mode):
     params = {n: state[n].clone() for n, _ in model.named_parameters()}
     return {"losses": losses, "params": params, "sharded": pmodel.mesh is not None,
             "strategy": pmodel.plan.strategy, "replicated_ops": list(getattr(pmodel.plan, "replicated_ops", []) or [])}
+
+
+PIPELINE_BATCH = 8
+
+
+def next_token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, next-token targets) of one global batch for a pipelined causal language model."""
+    tokens = hf_batch("llama", PIPELINE_BATCH, step)["input_ids"]
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def token_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """The pipeline's loss_fn: the model's own output object (its ``logits``) against next-token targets."""
+    return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+
+@functools.cache
+def pipeline_reference(name: str):
+    """One process, whole global batch, the pipeline's loss: the run a pipelined one must reproduce."""
+    model = build_hf_model(name)
+    optimizer = optimizer_for(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        inputs, target = next_token_batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss = token_loss(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_pipeline_case(rank, world, name, schedule, mode, strategy):
+    """3 AdamW steps of ``name`` cut into 2 stages (``pmodel.step``): each step's loss, the full parameters, the
+    type of the model's output, the plan's strategy and the layers of each stage."""
+    torch._dynamo.reset()
+    model = build_hf_model(name)
+    share = 1 if strategy == "tensor_parallel" else world // 2  # tensor-parallel stage ranks pass the same batch
+    inputs, _ = next_token_batch(0)
+    pmodel = autopar.compile(model, inputs.chunk(share)[rank // 2 % share], pipeline=2, schedule=schedule,
+                             loss_fn=token_loss, mode=mode, strategy=strategy)
+    slot, replicas = pmodel.data_parallel_rank, pmodel.data_parallel_size
+    pmodel.prepare((inputs.chunk(replicas)[slot],))
+    optimizer = optimizer_for(pmodel.parameters())
+    losses = []
+    for step in range(STEPS):
+        inputs, target = next_token_batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(pmodel.step(inputs.chunk(replicas)[slot], target.chunk(replicas)[slot]).item())
+        optimizer.step()
+    state = pmodel.state_dict()
+    output = pmodel(inputs.chunk(replicas)[slot])
+    return {"losses": losses, "params": {n: state[n].clone() for n, _ in model.named_parameters()},
+            "output": type(output).__name__, "strategy": pmodel.plan.strategy,
+            "stages": [list(row.layers) for row in pmodel.plan.stages]}

@@ -1,19 +1,27 @@
-"""The top-level forward at module granularity: which child modules it calls, in which order, at what cost.
+"""The top-level forward at module granularity: which layers it calls, in which order, at what cost.
 
-``trace_top_level(model)`` traces only the model's own ``forward`` with ``torch.fx``: every child module call
+``trace_top_level(model, args)`` traces only the model's own ``forward`` with ``torch.fx``: every child module call
 stays one ``call_module`` node (its forward runs as written, in eager mode, at run time) and a parameter the
-forward reads directly (a tied output head: ``x @ self.tok.weight.t()``) is one ``get_attr`` node. The layers
-are the calls to the members of one ``nn.ModuleList`` (or of a top-level ``nn.Sequential``): the list called
-most often, as ``capture.layers`` names layer instances. ``assign_units`` puts every node in a unit: "pre"
-(before the first layer), layer k (a layer call and the glue after it), "post" (after the last layer).
+forward reads directly (a tied output head: ``x @ self.tok.weight.t()``) is one ``get_attr`` node. Where torch.fx
+cannot trace that forward (``transformers``' models: keyword-only signatures, cache objects, shape checks), the
+forward is captured by dynamo instead, as ``torch.export`` captures it (``_compat.capture_forward``): a torch-level
+graph of the whole forward at the shapes of ``args`` (``TopLevel.at`` captures it again for other shapes), each
+node knowing the modules it ran in (with ``use_cache=False`` where the forward takes it: a pipeline trains and
+keeps no key/value cache); the stages then run that graph's ops, not the model's Python. The layers are
+the members of one ``nn.ModuleList`` (or of a top-level ``nn.Sequential``): the list with the most members called,
+as ``capture.layers`` names layer instances. ``assign_units`` puts every node in a unit: "pre" (before the first
+layer), layer k (what the layer runs and the glue after it), "post" (after the last layer).
 ``measure_units`` prices each unit on fake tensors (forward FLOPs from ``torch.utils.flop_counter``'s formulas,
 bytes of the tensors the forward creates) and ``split_stages`` turns a unit → stage map into one
 ``GraphModule`` per stage, sharing the user's own submodules and parameters (values another stage needs are
-passed on, stage by stage). Must never change the model or its parameters.
+passed on, stage by stage, as contiguous tensors: what point-to-point sends take). Must never change the model
+or its parameters.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -36,28 +44,114 @@ class _ChildrenAsLeaves(fx.Tracer):
 
 @dataclass(kw_only=True, slots=True)
 class TopLevel:
-    """The traced top-level forward and its layer list."""
+    """The traced (or captured) top-level forward and its layer list."""
 
     graph_module: fx.GraphModule
     family: str
     """The ModuleList's qualified name ("blocks"; "" for a top-level Sequential)."""
     layers: list[str]
     """Qualified names of the layer modules in call order ("blocks.0", "blocks.1", ...)."""
+    layer_of: dict[fx.Node, int]
+    """The nodes that run layer k: its ``call_module`` node (traced), every node run inside it (captured)."""
+    captured_from: torch.nn.Module | None = None
+    """The model, when dynamo captured its forward at the shapes of one call (None: torch.fx traced it, and the
+    graph runs at any shape)."""
+
+    def at(self, args: tuple) -> "TopLevel":
+        """This forward for inputs shaped like ``args``: itself when traced, captured again when captured."""
+        if self.captured_from is None:
+            return self
+        return _captured_top_level(self.captured_from, args)
+
+    def structured(self, output):
+        """The model's own output from the graph's (a captured graph hands back its flat output leaves)."""
+        if self.captured_from is None:
+            return output
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        return _compat.pytree().tree_unflatten(leaves, _compat.captured_output_spec(self.graph_module))
 
 
-def trace_top_level(model: torch.nn.Module) -> TopLevel:
-    """Trace ``model.forward`` with child modules as leaves and find its layer list (a clear error if none)."""
+def trace_top_level(model: torch.nn.Module, args: tuple) -> TopLevel:
+    """Trace ``model.forward`` with child modules as leaves, else capture it with dynamo on ``args`` (one call's
+    inputs), and find its layer list (a clear error if none)."""
     try:
         graph = _ChildrenAsLeaves().trace(model)
-    except Exception as error:  # fx raises many types for untraceable Python (data-dependent branches, ...)
-        raise AutoparError(
-            f"pipeline=N traces {type(model).__name__}.forward with torch.fx to cut it between layers, and the "
-            f"trace failed: {type(error).__name__}: {error}. Expected a top-level forward without branches on "
-            "tensor values; move that logic into a child module (its forward runs as written) or drop pipeline=."
-        ) from error
+    except Exception as traced:  # fx raises many types for Python it cannot trace symbolically
+        return _captured_top_level(model, args, traced)
     gm = fx.GraphModule(model, graph, class_name=f"{type(model).__name__}TopLevel")
     family, layers = _layer_calls(gm)
-    return TopLevel(graph_module=gm, family=family, layers=layers)
+    index_of = {name: i for i, name in enumerate(layers)}
+    layer_of = {node: index_of[node.target] for node in gm.graph.nodes
+                if node.op == "call_module" and node.target in index_of}
+    return TopLevel(graph_module=gm, family=family, layers=layers, layer_of=layer_of)
+
+
+def _captured_top_level(model: torch.nn.Module, args: tuple, traced: Exception | None = None) -> TopLevel:
+    """``model``'s forward captured by dynamo at the shapes of ``args`` (fake copies: nothing runs), its layers
+    found from the modules each node ran in."""
+    from torch_autopar.capture.program import _CapturableOutputs, fake_global_inputs
+
+    if any(not isinstance(a, torch.Tensor) for a in args):
+        raise AutoparError(f"pipeline=N passes only tensors between stages; {type(model).__name__} was called with "
+                           f"positional inputs of types {[type(a).__name__ for a in args]}. Pass tensors only.")
+    (fake_args, _) = fake_global_inputs(model, args, {}, 1)
+    try:
+        gm = _compat.capture_forward(_CapturableOutputs(model, _without_cache(model)), fake_args, names_from=model)
+    except Exception as captured:  # dynamo's Unsupported/UserError, fake tensors' data-dependent errors, ...
+        fx_reason = f"torch.fx could not trace it ({type(traced).__name__}: {traced}), and " if traced else ""
+        raise AutoparError(
+            f"pipeline=N cuts {type(model).__name__}.forward between layers and needs it as one graph: "
+            f"{fx_reason}dynamo could not capture it: {_compat.graph_break_reason(captured)}. Remove or guard that "
+            "line (for example `if not torch.compiler.is_compiling():`), or drop pipeline=.") from captured
+    _one_read_per_use(gm)
+    family, layers, layer_of = _captured_layers(model, gm)
+    return TopLevel(graph_module=gm, family=family, layers=layers, layer_of=layer_of, captured_from=model)
+
+
+def _without_cache(model: torch.nn.Module):
+    """``model`` called with ``use_cache=False`` where its forward takes it (``transformers``' models; else None:
+    called as it is). A pipeline trains and keeps no key/value cache, which would otherwise grow inside the
+    graph (a cat onto an empty tensor per layer, which tensor-parallel stages cannot shard)."""
+    return functools.partial(model, use_cache=False) if "use_cache" in inspect.signature(model.forward).parameters \
+        else None
+
+
+def _one_read_per_use(gm: fx.GraphModule) -> None:
+    """Give every user of a parameter read its own ``get_attr`` node (dynamo reads a tied embedding once for
+    the embedding and the output head): each stage then reads its own copy."""
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        for user in list(node.users)[1:]:
+            with gm.graph.inserting_before(user):
+                read = gm.graph.get_attr(node.target)
+            read.meta = dict(node.meta)
+            user.replace_input_with(node, read)
+    gm.recompile()
+
+
+_WRAPPER_PATH = re.compile(r"^L\['self'\]\.(module|call\.func)\.?")  # _CapturableOutputs' path to the model
+
+
+def _captured_layers(model: torch.nn.Module, gm: fx.GraphModule) -> tuple[str, list[str], dict[fx.Node, int]]:
+    """(family, layer names in call order, node → layer index) from the modules each captured node ran in."""
+    lists = {name for name, module in model.named_modules() if isinstance(module, torch.nn.ModuleList)}
+    if isinstance(model, torch.nn.Sequential):
+        lists.add("")
+    found: dict[fx.Node, dict[str, str]] = {}  # node → {family: layer} of every layer it ran inside
+    for node in gm.graph.nodes:
+        for path in _compat.module_paths(node):
+            name = re.sub(r"\[(\d+)\]", r".\1", _WRAPPER_PATH.sub("", path))
+            match = _LAYER_TARGET.match(name)
+            if match and (match.group("family") or "") in lists:
+                found.setdefault(node, {}).setdefault(match.group("family") or "", name)
+    calls: dict[str, list[str]] = {}
+    for members in found.values():
+        for family, name in members.items():
+            order = calls.setdefault(family, [])
+            if not order or order[-1] != name:
+                order.append(name)
+    family, layers = _one_family(calls, type(model).__name__)
+    index_of = {name: i for i, name in enumerate(layers)}
+    return family, layers, {node: index_of[members[family]] for node, members in found.items() if family in members}
 
 
 def _layer_calls(gm: fx.GraphModule) -> tuple[str, list[str]]:
@@ -66,11 +160,16 @@ def _layer_calls(gm: fx.GraphModule) -> tuple[str, list[str]]:
         match = _LAYER_TARGET.match(node.target) if node.op == "call_module" else None
         if match:
             calls.setdefault(match.group("family") or "", []).append(node.target)
+    return _one_family(calls, type(gm).__name__.removesuffix("TopLevel"))
+
+
+def _one_family(calls: dict[str, list[str]], model_name: str) -> tuple[str, list[str]]:
+    """The layer list called most often, from family → its members in call order (a member once per call)."""
     if not calls:
         raise AutoparError(
             f"pipeline=N cuts a model between the layers of one nn.ModuleList (e.g. self.blocks) called in its "
-            f"forward; {type(gm).__name__.removesuffix('TopLevel')}.forward calls none. Hold the repeated blocks "
-            "in an nn.ModuleList, or drop pipeline=.")
+            f"forward; {model_name}.forward calls none. Hold the repeated blocks in an nn.ModuleList, or drop "
+            "pipeline=.")
     family, layers = max(calls.items(), key=lambda item: len(item[1]))
     if len(set(layers)) != len(layers):
         raise AutoparError(f"pipeline=N: the layers of {family or 'the model'} must each be called once per forward; "
@@ -79,22 +178,20 @@ def _layer_calls(gm: fx.GraphModule) -> tuple[str, list[str]]:
 
 
 def assign_units(top: TopLevel) -> dict[fx.Node, object]:
-    """Each node's unit: PRE before the first layer call, layer k from its call to the next layer's call (the
-    glue between layers follows the layer before it), POST after the last layer's call. A ``get_attr`` (a
-    parameter the forward reads directly) belongs to the unit of its first user, so a tied output head reads
+    """Each node's unit: PRE before the first layer's nodes, layer k from its first node to the next layer's
+    (the glue between layers follows the layer before it), POST after the last layer's last node. A ``get_attr``
+    (a parameter the forward reads directly) belongs to the unit of its first user, so a tied output head reads
     its weight where it runs."""
-    index_of = {name: i for i, name in enumerate(top.layers)}
     nodes = list(top.graph_module.graph.nodes)
+    last = len(top.layers) - 1
+    end = max(i for i, node in enumerate(nodes) if top.layer_of.get(node) == last)
     unit: dict[fx.Node, object] = {}
     current: object = PRE
-    for node in nodes:
-        if node.op == "call_module" and node.target in index_of:
-            current = index_of[node.target]
-            unit[node] = current
-            if current == len(top.layers) - 1:
-                current = POST
-        elif node.op != "output":
-            unit[node] = current
+    for i, node in enumerate(nodes):
+        if node.op == "output":
+            continue
+        current = top.layer_of.get(node, current if i <= end else POST)
+        unit[node] = current
     position = {node: i for i, node in enumerate(nodes)}
     for node in nodes:
         if node.op == "get_attr" and node.users:
@@ -169,7 +266,7 @@ def measure_units(top: TopLevel, unit: dict, args: tuple) -> dict[object, UnitCo
 def split_stages(top: TopLevel, unit: dict, stage_of_unit) -> list[fx.GraphModule]:
     """One GraphModule per stage: stage s runs the nodes of the units ``stage_of_unit`` maps to s; its inputs
     are the previous stage's outputs (the model's inputs for stage 0), its outputs every value a later stage
-    uses (as a tuple; the model's own output for the last stage)."""
+    uses (as a tuple of contiguous tensors; the model's own output for the last stage)."""
     nodes = [n for n in top.graph_module.graph.nodes if n.op != "output"]
     output = next(n for n in top.graph_module.graph.nodes if n.op == "output")
     stage = {node: stage_of_unit(unit[node]) for node in nodes}
@@ -187,10 +284,17 @@ def split_stages(top: TopLevel, unit: dict, stage_of_unit) -> list[fx.GraphModul
             graph.output(fx.node.map_arg(output.args[0], env.__getitem__))
         else:
             live = [n for n in nodes if n in env and _used_after(n, s, stage)]
-            _check_passable(live, s)
-            graph.output(tuple(env[n] for n in live))
+            _check_passable(live, s)  # sent and received as contiguous buffers (a captured value may be a view)
+            graph.output(tuple(graph.call_method("contiguous", (env[n],)) for n in live))
         modules.append(fx.GraphModule(top.graph_module, graph, class_name=f"Stage{s}"))
     return modules
+
+
+def stages_at(top: TopLevel, unit: dict, stage_of_unit, args: tuple) -> list[fx.GraphModule]:
+    """``split_stages`` of the forward as it runs on inputs shaped like ``args`` (one micro-batch: a captured
+    forward is captured again at those shapes, its units found anew)."""
+    shaped = top.at(args)
+    return split_stages(shaped, unit if shaped is top else assign_units(shaped), stage_of_unit)
 
 
 def _used_after(node: fx.Node, s: int, stage: dict) -> bool:
@@ -207,9 +311,16 @@ def _check_passable(values: list[fx.Node], s: int) -> None:
 
 
 def unit_modules(top: TopLevel, unit: dict) -> dict[object, list[str]]:
-    """PRE, each layer index, POST (in that order) → the modules called and parameters read in it."""
+    """PRE, each layer index, POST (in that order) → the modules called and parameters read in it (a captured
+    forward's layer by its name, not by its parameters')."""
     names: dict[object, list[str]] = {PRE: [], **{k: [] for k in range(len(top.layers))}, POST: []}
     for node, where in unit.items():
-        if node.op in ("call_module", "get_attr") and node.target not in names[where]:
-            names[where].append(node.target)
+        if top.captured_from is not None and node in top.layer_of:
+            name = top.layers[top.layer_of[node]]
+        elif node.op in ("call_module", "get_attr"):
+            name = node.target
+        else:
+            continue
+        if name not in names[where]:
+            names[where].append(name)
     return names

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from torch_autopar import _compat, launch
-from torch_autopar.capture.modules import split_stages
+from torch_autopar.capture.modules import stages_at
 from torch_autopar.errors import AutoparError
 from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime import stage_sharding, stage_tensor_parallel
@@ -111,7 +111,8 @@ class PipelineModule(torch.nn.Module):
             raise AssertionError(f"plan mesh {plan.mesh_shape} vs ({self._dp}, {self._pp})")
         count = plan.pipeline_stages
         self._mine = [s for s in range(count) if s % self._pp == self._p]
-        graphs = split_stages(layout.top, layout.unit, stage_of_units(layout.cuts))
+        microbatch = tuple(a.chunk(plan.microbatches)[0] if isinstance(a, torch.Tensor) else a for a in args)
+        graphs = stages_at(layout.top, layout.unit, stage_of_units(layout.cuts), microbatch)
         self._graphs = graphs
         self._stage_shapes = StageShapes(graphs, plan.microbatches)  # before sharding: of the whole parameters
         self._first_names = _first_names(self._user)  # before sharding replaces tied parameters' objects
@@ -133,7 +134,7 @@ class PipelineModule(torch.nn.Module):
         mode = self.mode or get_mode()
         self.stages = torch.nn.ModuleList(_CompiledStage(m) if mode == "graph" else m for m in modules)
         if self._sharded:  # replaces the stages' parameters by shards: the tied copies are found by name after
-            stage_sharding.apply_fully_shard(list(self.stages), self._dp_group)
+            stage_sharding.apply_fully_shard(list(self.stages), self._dp_group, self._user)
         if world > 1:
             mine = {n: p for s in self._mine for n, p in graphs[s].named_parameters(remove_duplicate=False)}
             self._tied = [(ranks, [mine[n] for n in names], group) for ranks, names, group in tied]
@@ -177,7 +178,7 @@ class PipelineModule(torch.nn.Module):
         return self._schedules[key]
 
     def _loss(self, output, target):
-        return self.loss_fn(output, target)
+        return self.loss_fn(self.layout.top.structured(output), target)
 
     # ---- what the user calls ------------------------------------------------------------------------------
     @property
@@ -357,7 +358,7 @@ class PipelineModule(torch.nn.Module):
         with torch.no_grad():
             output = schedule.step(*(args if 0 in self._mine else ()))
         stage_sharding.reshard(self.stages)
-        return self._from_last_stage(output)
+        return self.layout.top.structured(self._from_last_stage(output))
 
     def _from_last_stage(self, output):
         if self._pp == 1:

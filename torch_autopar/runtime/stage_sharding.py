@@ -58,13 +58,24 @@ def check_no_shared_stages(stages: list[torch.nn.Module]) -> None:
                     "one rank: use schedule='1f1b' or 'gpipe' (one stage per rank), or strategy='data_parallel'.")
 
 
-def apply_fully_shard(stages: list[torch.nn.Module], dp_group) -> None:
-    """Shard each stage module over ``dp_group`` (one FSDP unit each, gathered once per step); in place."""
+def apply_fully_shard(stages: list[torch.nn.Module], dp_group, model: torch.nn.Module) -> None:
+    """Shard each stage module over ``dp_group`` (one FSDP unit each, gathered once per step); in place.
+    ``model`` (the user's module) then holds the sharded parameters too: FSDP2 replaces them in the stage's own
+    modules, which are the user's modules for a traced forward but copies of their paths for a captured one."""
     check_no_shared_stages(stages)
     mesh = DeviceMesh.from_group(dp_group, launch.device_type())
+    sharded: dict[int, torch.nn.Parameter] = {}
     for stage in stages:
+        before = dict(stage.named_parameters(remove_duplicate=False))
         whole = {p for p in stage.parameters() if p.ndim == 0}  # FSDP2 shards dim 0: a 0-d one stays whole
         fully_shard(stage, mesh=mesh, reshard_after_forward=False, ignored_params=whole or None)
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            if param is not before[name]:
+                sharded[id(before[name])] = param
+    for module in model.modules():
+        for leaf, param in list(module._parameters.items()):
+            if param is not None and id(param) in sharded:
+                module._parameters[leaf] = sharded[id(param)]
 
 
 def reshard(stages) -> None:

@@ -52,7 +52,7 @@ import torch.fx as fx
 
 from torch_autopar import _compat
 from torch_autopar.capture.modules import (POST, PRE, TopLevel, UnitCost, assign_units, measure_units,
-                                           split_stages, trace_top_level, unit_modules)
+                                           stages_at, trace_top_level, unit_modules)
 from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import CostModel, HardwareProfile, pricing
 from torch_autopar.errors import AutoparError
@@ -274,7 +274,7 @@ def _boundaries(top: TopLevel, unit: dict, args: tuple) -> tuple[list[int], dict
 
 def measure(model: torch.nn.Module, args: tuple, batch: int) -> Measured:
     """Trace ``model``'s top-level forward and price its units and boundaries on ``args`` (``batch`` samples)."""
-    top = trace_top_level(model)
+    top = trace_top_level(model, args)
     unit = assign_units(top)
     crossing, ops = _boundaries(top, unit, args)
     return Measured(top=top, unit=unit, costs=measure_units(top, unit, args), batch=batch, crossing=crossing, ops=ops)
@@ -297,7 +297,7 @@ def layer_seconds(measured: Measured, cost_model: CostModel, scale: float) -> li
 
 
 def stage_of_units(cuts: list[int]):
-    """unit (PRE, layer index, POST) → stage, for ``capture.modules.split_stages``."""
+    """unit (PRE, layer index, POST) → stage, for ``capture.modules.stages_at``."""
     def stage_of(unit) -> int:
         if unit == PRE:
             return 0
@@ -630,8 +630,8 @@ def pipeline_plan(model, args: tuple, options: PipelineOptions, *, world_size: i
     if layout == "tensor_parallel" and dp > 1:
         microbatch = tuple(a.chunk(dp_share)[0].chunk(microbatches)[0] if isinstance(a, torch.Tensor) else a
                            for a in args)
-        split = tensor_parallel.layout(model, split_stages(measured.top, measured.unit, stage_of_units(cuts)),
-                                       microbatch, size=dp, hardware=hardware)
+        stages = stages_at(measured.top, measured.unit, stage_of_units(cuts), microbatch)
+        split = tensor_parallel.layout(model, stages, microbatch, size=dp, hardware=hardware)
     candidate = price(measured, ranks=options.ranks, schedule=options.schedule, microbatches=microbatches,
                       layout=layout, cuts=cuts, world_size=world_size,
                       global_batch=batch_per_rank * (1 if layout == "tensor_parallel" else dp), hardware=hardware,

@@ -1,0 +1,116 @@
+"""Pipelining the models people bring: ``transformers``' GPT-2 (embedding tied to the head), LLaMA, Qwen2, BERT
+and ViT cut between their layers (``pipeline=2``).
+
+Their forwards do not trace with torch.fx (keyword-only signatures, cache objects, shape checks), so the
+top-level forward is captured by dynamo as torch.export captures it, each node knowing the layer it ran in. In
+one process: the stages of that capture, run one after the other on a micro-batch, give the model's own output;
+each stage holds only its layers' parameters; an offline plan names the model's layers; a forward neither
+torch.fx nor dynamo can take fails with both reasons. On gloo ranks, 3 AdamW steps with ``pmodel.step`` equal one
+process (losses 1e-5 relative, full parameters rtol 1e-4 / atol 1e-5): GPT-2 1F1B eager and LLaMA GPipe graph
+on 2 ranks (pp=2); on 4 ranks LLaMA with fully-sharded stages (dp=2 x pp=2, 1F1B eager) and with
+tensor-parallel stages (pp=2 x tp=2, GPipe eager). One spawned job per world size runs its cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import torch_autopar as autopar  # noqa: E402
+from torch_autopar.capture.modules import assign_units, stages_at, trace_top_level  # noqa: E402
+from torch_autopar.errors import AutoparError  # noqa: E402
+from torch_autopar.search.pipeline import stage_of_units  # noqa: E402
+from torch_autopar.testing import run_on_ranks  # noqa: E402
+from torch_autopar.testing.hf_models import build_hf_model, hf_batch  # noqa: E402
+from tests import support  # noqa: E402
+from tests.models import hf_cases  # noqa: E402
+
+SPLIT_MODELS = ("gpt2", "llama", "qwen2", "bert", "vit")
+CASES = {
+    2: [("gpt2", "1f1b", "eager", "auto"), ("llama", "gpipe", "graph", "auto")],
+    4: [("llama", "1f1b", "eager", "fully_shard"), ("llama", "gpipe", "eager", "tensor_parallel")],
+}
+
+
+def _first_input(name: str) -> torch.Tensor:
+    batch = hf_batch(name, 4)
+    return batch["pixel_values" if name == "vit" else "input_ids"]
+
+
+@pytest.mark.parametrize("name", SPLIT_MODELS)
+def test_stages_chain_to_the_model_output(name):
+    model = build_hf_model(name)
+    inputs = _first_input(name)
+    top = trace_top_level(model, (inputs,))
+    assert top.captured_from is model, "transformers' forwards are captured, not traced"
+    assert len(top.layers) == 2, top.layers
+    microbatch = inputs.chunk(2)[0]
+    stages = stages_at(top, assign_units(top), stage_of_units([0, 1, 2]), (microbatch,))
+    value = (microbatch,)
+    with torch.no_grad():
+        for stage in stages:
+            value = stage(*value)
+        expected = model(microbatch, **({"use_cache": False} if name in ("gpt2", "llama", "qwen2") else {}))
+    torch.testing.assert_close(top.structured(value).logits, expected.logits)
+    first, second = top.layers
+    held = [{n for n, _ in stage.named_parameters()} for stage in stages]
+    assert any(n.startswith(first + ".") for n in held[0]) and not any(n.startswith(second + ".") for n in held[0])
+    assert any(n.startswith(second + ".") for n in held[1]) and not any(n.startswith(first + ".") for n in held[1])
+
+
+def test_offline_plan_names_the_model_layers():
+    plan = autopar.plan(build_hf_model("llama"), (_first_input("llama"),), mesh_shape=(1, 2), hardware="cpu-gloo",
+                        pipeline=2)
+    assert plan.pipeline_stages == 2
+    assert "model.layers.0" in plan.stages[0].layers and "model.layers.1" in plan.stages[1].layers, \
+        [row.layers for row in plan.stages]
+
+
+class _Unpipelinable(torch.nn.Module):
+    """A layer list, and a branch on a tensor's value in the top-level forward: neither torch.fx nor dynamo
+    (on fake tensors) can make one graph of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        if x.sum().item() > 0:
+            x = -x
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_forward_neither_fx_nor_dynamo_takes_names_both():
+    with pytest.raises(AutoparError, match=r"torch\.fx could not trace it .* dynamo could not capture it"):
+        trace_top_level(_Unpipelinable(), (torch.randn(2, 4),))
+
+
+def _job(rank, world, cases):
+    return {case: support.outcome(hf_cases.run_pipeline_case, rank, world, *case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    return {}
+
+
+@pytest.mark.parametrize(("world", "case"), [(w, c) for w, cases in CASES.items() for c in cases],
+                         ids=lambda v: str(v) if isinstance(v, int) else "-".join(v))
+def test_pipelined_equals_one_process(jobs, world, case):
+    if world not in jobs:
+        jobs[world] = run_on_ranks(_job, world, CASES[world], timeout_s=900)
+    name, _, _, strategy = case
+    ref_losses, ref_params = hf_cases.pipeline_reference(name)
+    for rank, result in enumerate(jobs[world]):
+        status, run = result[case]
+        assert status == "ok", f"rank {rank} {case}: {status}: {run}"
+        what = f"rank {rank} {case} (plan: {run['strategy']})"
+        support.assert_losses_close(run["losses"], ref_losses, what=what)
+        support.assert_params_close(run["params"], ref_params, what=what)
+        assert run["output"] == type(build_hf_model(name)(_first_input(name))).__name__, what
+        assert strategy == "auto" or run["strategy"] == f"pipeline+{strategy}", what
+        assert len(run["stages"]) == 2, what
