@@ -706,13 +706,19 @@ def redistribute_keyword_tensors(op, wanted_placements: Callable) -> None:
     ("rare", says its dispatcher), so an op like CPU flash attention got a whole ``attn_mask`` next to a
     batch-sharded query. Install a handler for ``op`` that first moves each keyword DTensor into
     ``wanted_placements(name, tensor, args, args_placements)`` (``args_placements``: the placements the chosen
-    strategy wants for each positional argument, None for non-tensors), then runs the op as DTensor would.
-    Idempotent."""
+    strategy wants for each positional argument, None for non-tensors), then runs the op as DTensor would. A
+    plain keyword tensor next to DTensor arguments (a mask a stage built from plain ops, under implicit
+    replication) is taken as replicated, as DTensor takes plain positional ones. Idempotent."""
     dispatcher = DTensor._op_dispatcher
     if op in dispatcher._custom_op_handlers:
         return
 
     def handler(op_call, args, kwargs):
+        mesh = next((a.device_mesh for a in args if isinstance(a, DTensor)), None)
+        if mesh is not None:
+            kwargs = {name: DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                      if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) else value
+                      for name, value in kwargs.items()}
         if any(isinstance(value, DTensor) for value in kwargs.values()):
             wanted_args = _wanted_positional_placements(op_call, args, kwargs)
             kwargs = {name: value.redistribute(value.device_mesh, wanted_placements(name, value, args, wanted_args))

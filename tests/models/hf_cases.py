@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import torch_autopar as autopar
-from torch_autopar.testing.hf_models import build_hf_model, hf_batch, local_batch
+from torch_autopar.testing.hf_models import build_hf_model, hf_batch, local_batch, next_token_loss
 
 STEPS = 3
 GLOBAL_BATCH = 4
@@ -67,11 +67,6 @@ def next_token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, torch.roll(tokens, -1, dims=1)
 
 
-def token_loss(output, target: torch.Tensor) -> torch.Tensor:
-    """The pipeline's loss_fn: the model's own output object (its ``logits``) against next-token targets."""
-    return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), target.flatten())
-
-
 @functools.cache
 def pipeline_reference(name: str):
     """One process, whole global batch, the pipeline's loss: the run a pipelined one must reproduce."""
@@ -81,7 +76,7 @@ def pipeline_reference(name: str):
     for step in range(STEPS):
         inputs, target = next_token_batch(step)
         optimizer.zero_grad(set_to_none=True)
-        loss = token_loss(model(inputs), target)
+        loss = next_token_loss(model(inputs), target)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -96,7 +91,7 @@ def run_pipeline_case(rank, world, name, schedule, mode, strategy):
     share = 1 if strategy == "tensor_parallel" else world // 2  # tensor-parallel stage ranks pass the same batch
     inputs, _ = next_token_batch(0)
     pmodel = autopar.compile(model, inputs.chunk(share)[rank // 2 % share], pipeline=2, schedule=schedule,
-                             loss_fn=token_loss, mode=mode, strategy=strategy)
+                             loss_fn=next_token_loss, mode=mode, strategy=strategy)
     slot, replicas = pmodel.data_parallel_rank, pmodel.data_parallel_size
     pmodel.prepare((inputs.chunk(replicas)[slot],))
     optimizer = optimizer_for(pmodel.parameters())

@@ -7,8 +7,9 @@ one process: the stages of that capture, run one after the other on a micro-batc
 each stage holds only its layers' parameters; an offline plan names the model's layers; a forward neither
 torch.fx nor dynamo can take fails with both reasons. On gloo ranks, 3 AdamW steps with ``pmodel.step`` equal one
 process (losses 1e-5 relative, full parameters rtol 1e-4 / atol 1e-5): GPT-2 1F1B eager and LLaMA GPipe graph
-on 2 ranks (pp=2); on 4 ranks LLaMA with fully-sharded stages (dp=2 x pp=2, 1F1B eager) and with
-tensor-parallel stages (pp=2 x tp=2, GPipe eager). One spawned job per world size runs its cases.
+on 2 ranks (pp=2); on 4 ranks LLaMA with fully-sharded stages (dp=2 x pp=2, 1F1B eager) and LLaMA (GPipe) and
+GPT-2 (1F1B: its (in, out) ``Conv1D`` weights, a boolean attention mask crossing the stages) with tensor-parallel
+stages (pp=2 x tp=2, eager). One spawned job per world size runs its cases.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from tests.models import hf_cases  # noqa: E402
 SPLIT_MODELS = ("gpt2", "llama", "qwen2", "bert", "vit")
 CASES = {
     2: [("gpt2", "1f1b", "eager", "auto"), ("llama", "gpipe", "graph", "auto")],
-    4: [("llama", "1f1b", "eager", "fully_shard"), ("llama", "gpipe", "eager", "tensor_parallel")],
+    4: [("llama", "1f1b", "eager", "fully_shard"), ("llama", "gpipe", "eager", "tensor_parallel"),
+        ("gpt2", "1f1b", "eager", "tensor_parallel")],
 }
 
 

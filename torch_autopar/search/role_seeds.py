@@ -6,14 +6,17 @@ Per mesh axis (roles of ``strategies.roles``):
   fsdp  parameters stored split on dim 0 (where it has at least the axis's size) and gathered (replicated) at
         each use (``gathered_at_use``), user inputs split on dim 0
   tp    user inputs replicated, matrices split Megatron-style by the forward data flow (``megatron_splits``): a
-        matrix multiplying an activation that is whole on the axis is column parallel (split along its output,
-        dim 0), one multiplying an activation a column-parallel matrix split is row parallel (dim 1); vectors
+        matrix multiplying an activation that is whole on the axis is column parallel (split along its output
+        features: dim 0 of ``nn.Linear``'s weight, dim 1 of an (in, out) one such as GPT-2's ``Conv1D``), one
+        multiplying an activation a column-parallel matrix split is row parallel (its input features); vectors
         (norm weights, biases of row-parallel layers) replicated, a column-parallel layer's bias split with it;
         other parameters (an embedding) split on dim 0
 Buffers stay replicated. Must never look at costs.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -29,12 +32,28 @@ _VIEWS = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.tra
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default, aten.linear.default}
 
 
-def _param_placement(role: str, value: torch.Tensor, size: int, split: str | None):
-    if role == "dp" or value.ndim == 0 or role == "tp" and value.ndim == 1 and split != "column":
+_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+"""Views that (on a matrix) swap its two dims."""
+
+
+class MatrixSplit(NamedTuple):
+    """How tensor parallelism splits a parameter its data flow reaches a matrix multiply with."""
+
+    kind: str
+    """"column" (split along the multiply's output features, the output left split) or "row" (along its input
+    features, the output a partial sum)."""
+    output_dim: int
+    """The parameter's dim holding the output features: 0 for ``nn.Linear``'s (out, in) weight, read transposed,
+    1 for an (in, out) weight multiplied as it is (``transformers``' ``Conv1D``: GPT-2), 0 for a bias."""
+
+
+def _param_placement(role: str, value: torch.Tensor, size: int, split: MatrixSplit | None):
+    if role == "dp" or value.ndim == 0 or role == "tp" and value.ndim == 1 and (split is None or split.kind != "column"):
         return Replicate()
-    if role == "tp" and split == "row":
-        return Shard(1) if value.shape[1] >= size else Replicate()
-    return Shard(0) if value.shape[0] >= size else Replicate()
+    dim = 0
+    if role == "tp" and split is not None and value.ndim == 2:
+        dim = split.output_dim if split.kind == "column" else 1 - split.output_dim
+    return Shard(dim) if value.shape[dim] >= size else Replicate()
 
 
 def _input_placement(role: str, value) -> object:
@@ -68,30 +87,43 @@ def gathered_at_use(program: CapturedProgram, roles: tuple[str, ...], seeds: dic
     return gathered
 
 
-def megatron_splits(program: CapturedProgram) -> dict[fx.Node, str]:
-    """Parameter node → "column" or "row": walking the forward graph, a matrix multiply of a parameter (through
+def megatron_splits(program: CapturedProgram) -> dict[fx.Node, MatrixSplit]:
+    """Parameter node → its ``MatrixSplit``: walking the forward graph, a matrix multiply of a parameter (through
     views and casts) and an activation whole on the tensor-parallel axis splits the parameter by columns and leaves
     its output split; of an activation already split, by rows, and its output is whole again (a partial sum);
-    any other op leaves its output split when some activation input is."""
-    origin: dict[fx.Node, fx.Node] = {node: node for node in program.param_nodes.values()}
+    any other op leaves its output split when some activation input is. Which dim of the stored matrix holds the
+    output features follows from where it enters the multiply and how many transposes it went through."""
+    origin: dict[fx.Node, tuple[fx.Node, bool]] = {node: (node, False) for node in program.param_nodes.values()}
     split: set[fx.Node] = set()
-    splits: dict[fx.Node, str] = {}
+    splits: dict[fx.Node, MatrixSplit] = {}
     for node in program.graph.graph.nodes:
         if node.op != "call_function" or program.is_backward(node):
             continue
         inputs = node.all_input_nodes
         if node.target in _VIEWS and len(inputs) == 1 and inputs[0] in origin:
-            origin[node] = origin[inputs[0]]
+            param, swapped = origin[inputs[0]]
+            origin[node] = (param, swapped ^ (node.target in _TRANSPOSES and node.meta["val"].ndim == 2))
             continue
-        params = [origin[n] for n in inputs if n in origin]
+        params = [origin[n][0] for n in inputs if n in origin]
         activations = [n for n in inputs if n not in origin]
-        matrices = [p for p in params if p.meta["val"].ndim == 2]
+        matrices = [n for n in inputs if n in origin and origin[n][0].meta["val"].ndim == 2]
         if node.target in _MATMULS and len(matrices) == 1:
-            row = any(n in split for n in activations)
+            kind = "row" if any(n in split for n in activations) else "column"
+            matrix, swapped = origin[matrices[0]]
             for param in params:  # the matrix and its bias
-                splits.setdefault(param, "row" if row else "column")
-            if splits[matrices[0]] == "column":
+                splits.setdefault(param, MatrixSplit(kind, _output_dim(node, matrices[0], swapped)
+                                                     if param is matrix else 0))
+            if splits[matrix].kind == "column":
                 split.add(node)
         elif any(n in split for n in activations):
             split.add(node)
     return splits
+
+
+def _output_dim(matmul: fx.Node, operand: fx.Node, swapped: bool) -> int:
+    """The stored matrix's dim along the multiply's output features: ``linear``'s weight is (out, in); the right
+    operand of ``mm``/``addmm``/``bmm``/``matmul`` gives its last dim, the left its first."""
+    if matmul.target is aten.linear.default:
+        return int(swapped)
+    operands = matmul.args[1:3] if matmul.target is aten.addmm.default else matmul.args[:2]
+    return (1 if operand is operands[1] else 0) ^ int(swapped)

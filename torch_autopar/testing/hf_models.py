@@ -15,10 +15,10 @@ SEQ = 16
 IMAGE = 16
 
 
-def _decoder_config(kind: str):
+def _decoder_config(kind: str, layers: int, width: int):
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   attention_dropout=0.0, tie_word_embeddings=False)
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
@@ -26,31 +26,32 @@ def _decoder_config(kind: str):
     return config_class(**common)
 
 
-def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """A freshly initialised ``transformers`` model (deterministic given ``seed``), in training mode."""
+def build_hf_model(name: str, seed: int = 0, *, layers: int = 2, width: int = 64) -> torch.nn.Module:
+    """A freshly initialised ``transformers`` model (deterministic given ``seed``), in training mode: ``layers``
+    blocks (each of T5's stacks) of hidden size ``width`` (4 heads, feed-forward 2 x width)."""
     import transformers
 
     torch.manual_seed(seed)
     if name == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=width, n_layer=layers, n_head=4,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = transformers.GPT2LMHeadModel(config)
     elif name in ("llama", "mistral", "qwen2"):
         model = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM}[name](_decoder_config(name))
+                 "qwen2": transformers.Qwen2ForCausalLM}[name](_decoder_config(name, layers, width))
     elif name == "bert":
-        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         intermediate_size=128, max_position_embeddings=64, num_labels=3,
-                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers,
+                                         num_attention_heads=4, intermediate_size=2 * width, max_position_embeddings=64,
+                                         num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model = transformers.BertForSequenceClassification(config)
     elif name == "t5":
-        config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                                       num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+        config = transformers.T5Config(vocab_size=VOCAB, d_model=width, d_kv=width // 4, d_ff=2 * width,
+                                       num_layers=layers, num_decoder_layers=layers, num_heads=4, dropout_rate=0.0,
                                        decoder_start_token_id=0, pad_token_id=0)
         model = transformers.T5ForConditionalGeneration(config)
     elif name == "vit":
-        config = transformers.ViTConfig(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        config = transformers.ViTConfig(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=width,
+                                        num_hidden_layers=layers, num_attention_heads=4, intermediate_size=2 * width,
                                         num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model = transformers.ViTForImageClassification(config)
     else:
@@ -76,3 +77,9 @@ def hf_batch(name: str, batch: int, step: int = 0) -> dict[str, torch.Tensor]:
 def local_batch(inputs: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
     """This rank's slice of a global batch (dim 0 chunked, the DDP convention)."""
     return {key: value.chunk(world)[rank] for key, value in inputs.items()}
+
+
+def next_token_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """A causal language model's loss from its own output object (``output.logits``, batch x sequence x vocab)
+    against next-token targets (batch x sequence): what a pipelined model's ``loss_fn`` gets."""
+    return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), target.flatten())
