@@ -20,19 +20,24 @@ def optimizer_for(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
 
 
-@functools.cache
-def reference(name: str):
-    """One process, whole global batch: the run every parallel run must reproduce."""
+def _one_process(name: str, loss_at):
+    """``STEPS`` AdamW steps of ``name`` in one process on ``loss_at(model, step)``: (losses, parameters)."""
     model = build_hf_model(name)
     optimizer = optimizer_for(model.parameters())
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
-        loss = model(**hf_batch(name, GLOBAL_BATCH, step)).loss
+        loss = loss_at(model, step)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@functools.cache
+def reference(name: str):
+    """One process, whole global batch: the run every parallel run must reproduce."""
+    return _one_process(name, lambda model, step: model(**hf_batch(name, GLOBAL_BATCH, step)).loss)
 
 
 def run_case(rank, world, name, strategy, mode):
@@ -70,33 +75,35 @@ def next_token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.cache
 def pipeline_reference(name: str):
     """One process, whole global batch, the pipeline's loss: the run a pipelined one must reproduce."""
-    model = build_hf_model(name)
-    optimizer = optimizer_for(model.parameters())
-    losses = []
-    for step in range(STEPS):
+    def loss_at(model, step):
         inputs, target = next_token_batch(step)
-        optimizer.zero_grad(set_to_none=True)
-        loss = next_token_loss(model(inputs), target)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+        return next_token_loss(model(inputs), target)
+    return _one_process(name, loss_at)
 
 
-def run_pipeline_case(rank, world, name, schedule, mode, strategy):
+def run_pipeline_case(rank, world, name, schedule, mode, strategy, resume_from=None):
     """3 AdamW steps of ``name`` cut into 2 stages (``pmodel.step``): each step's loss, the full parameters, the
-    type of the model's output, the plan's strategy and the layers of each stage."""
+    type of the model's output, the plan's strategy and the layers of each stage. ``resume_from`` (a directory):
+    after the first step ``save_checkpoint`` there, and a fresh model (other initial values) compiled alike
+    loads it and takes the other steps."""
     torch._dynamo.reset()
-    model = build_hf_model(name)
     share = 1 if strategy == "tensor_parallel" else world // 2  # tensor-parallel stage ranks pass the same batch
-    inputs, _ = next_token_batch(0)
-    pmodel = autopar.compile(model, inputs.chunk(share)[rank // 2 % share], pipeline=2, schedule=schedule,
-                             loss_fn=next_token_loss, mode=mode, strategy=strategy)
+
+    def fresh(seed: int):
+        model = build_hf_model(name, seed=seed)
+        inputs, _ = next_token_batch(0)
+        pmodel = autopar.compile(model, inputs.chunk(share)[rank // 2 % share], pipeline=2, schedule=schedule,
+                                 loss_fn=next_token_loss, mode=mode, strategy=strategy)
+        return model, pmodel, optimizer_for(pmodel.parameters())
+
+    model, pmodel, optimizer = fresh(0)
     slot, replicas = pmodel.data_parallel_rank, pmodel.data_parallel_size
-    pmodel.prepare((inputs.chunk(replicas)[slot],))
-    optimizer = optimizer_for(pmodel.parameters())
     losses = []
     for step in range(STEPS):
+        if resume_from is not None and step == 1:
+            autopar.save_checkpoint(resume_from, pmodel, optimizer, step=step)
+            model, pmodel, optimizer = fresh(1)
+            assert autopar.load_checkpoint(resume_from, pmodel, optimizer)["step"] == step
         inputs, target = next_token_batch(step)
         optimizer.zero_grad(set_to_none=True)
         losses.append(pmodel.step(inputs.chunk(replicas)[slot], target.chunk(replicas)[slot]).item())

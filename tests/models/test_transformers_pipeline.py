@@ -9,10 +9,13 @@ torch.fx nor dynamo can take fails with both reasons. On gloo ranks, 3 AdamW ste
 process (losses 1e-5 relative, full parameters rtol 1e-4 / atol 1e-5): GPT-2 1F1B eager and LLaMA GPipe graph
 on 2 ranks (pp=2); on 4 ranks LLaMA with fully-sharded stages (dp=2 x pp=2, 1F1B eager) and LLaMA (GPipe) and
 GPT-2 (1F1B: its (in, out) ``Conv1D`` weights, a boolean attention mask crossing the stages) with tensor-parallel
-stages (pp=2 x tp=2, eager). One spawned job per world size runs its cases.
+stages (pp=2 x tp=2, eager); LLaMA's fully-sharded stages resume exactly from a checkpoint (``save_checkpoint``
+after one step, a fresh model loading it). One spawned job per world size runs its cases.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -32,8 +35,9 @@ SPLIT_MODELS = ("gpt2", "llama", "qwen2", "bert", "vit")
 CASES = {
     2: [("gpt2", "1f1b", "eager", "auto"), ("llama", "gpipe", "graph", "auto")],
     4: [("llama", "1f1b", "eager", "fully_shard"), ("llama", "gpipe", "eager", "tensor_parallel"),
-        ("gpt2", "1f1b", "eager", "tensor_parallel")],
+        ("gpt2", "1f1b", "eager", "tensor_parallel"), ("llama", "1f1b", "eager", "fully_shard", "resume")],
 }
+"""(model, schedule, mode, stage strategy[, "resume": checkpointed after the first step, a fresh model loads it])"""
 
 
 def _first_input(name: str) -> torch.Tensor:
@@ -91,8 +95,10 @@ def test_a_forward_neither_fx_nor_dynamo_takes_names_both():
         trace_top_level(_Unpipelinable(), (torch.randn(2, 4),))
 
 
-def _job(rank, world, cases):
-    return {case: support.outcome(hf_cases.run_pipeline_case, rank, world, *case) for case in cases}
+def _job(rank, world, cases, directory):
+    return {case: support.outcome(hf_cases.run_pipeline_case, rank, world, *case[:4],
+                                  resume_from=os.path.join(directory, "-".join(case)) if len(case) > 4 else None)
+            for case in cases}
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +108,11 @@ def jobs():
 
 @pytest.mark.parametrize(("world", "case"), [(w, c) for w, cases in CASES.items() for c in cases],
                          ids=lambda v: str(v) if isinstance(v, int) else "-".join(v))
-def test_pipelined_equals_one_process(jobs, world, case):
+def test_pipelined_equals_one_process(jobs, tmp_path_factory, world, case):
     if world not in jobs:
-        jobs[world] = run_on_ranks(_job, world, CASES[world], timeout_s=900)
-    name, _, _, strategy = case
+        jobs[world] = run_on_ranks(_job, world, CASES[world], str(tmp_path_factory.mktemp("checkpoints")),
+                                   timeout_s=900)
+    name, strategy = case[0], case[3]
     ref_losses, ref_params = hf_cases.pipeline_reference(name)
     for rank, result in enumerate(jobs[world]):
         status, run = result[case]
