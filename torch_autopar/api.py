@@ -15,6 +15,7 @@ import torch
 from torch_autopar import launch
 from torch_autopar.capture import capture, fake_global_inputs
 from torch_autopar.capture.fold import folded_layers
+from torch_autopar.capture.modules import positional_inputs
 from torch_autopar.capture.program import TensorInfo, params_fingerprint
 from torch_autopar.cost import PROFILES
 from torch_autopar.cost.job_profile import job_profile
@@ -118,12 +119,12 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
                                       strategy=strategy, memory_budget=memory_budget, axis_names=axis_names,
                                       example_kwargs=example_kwargs, bucket_cap_bytes=bucket_cap_bytes,
                                       solver=solver, fold_layers=fold_layers)
-            args = _as_tuple(example_inputs)
+        args = positional_inputs(model, _as_tuple(example_inputs), example_kwargs)
+        if options.searched:
             return _searched_pipeline(model, args, options, intra, world=world, batch=batch_size(args, {}) or 0,
                                       hardware=job_profile(hardware), memory_budget=memory_budget,
                                       layouts=_stage_layouts(strategy))[0]
-        return _offline_pipeline_plan(model, _as_tuple(example_inputs), options, world, hardware,
-                                      _pipeline_layout(strategy))
+        return _offline_pipeline_plan(model, args, options, world, hardware, _pipeline_layout(strategy))
     if isinstance(strategy, Plan):
         _check_plan_recompute(activation_checkpointing)
         strategy.check_compatible(module_fingerprint(model), math.prod(launch.mesh.parse_mesh_shape(mesh_shape)))
@@ -227,24 +228,25 @@ def _pipeline_planner(options, hardware, given: Plan | None, layout: str):
     return planner
 
 
-def _compile_pipeline(model, example_inputs, options, strategy, hardware, mode, loss_fn) -> PipelineModule:
+def _compile_pipeline(model, example_inputs, example_kwargs, options, strategy, hardware, mode,
+                      loss_fn) -> PipelineModule:
     given = strategy if isinstance(strategy, Plan) else None
     planner = _pipeline_planner(options, hardware, given, _pipeline_layout(strategy))
     parallel = PipelineModule(model, planner=planner, loss_fn=loss_fn, mode=mode, pipeline_size=options.ranks,
                               stage_layout=_pipeline_layout(strategy))
-    if example_inputs is not None:
-        parallel.prepare(_as_tuple(example_inputs))
+    if example_inputs is not None or example_kwargs:
+        parallel.prepare(_as_tuple(example_inputs), example_kwargs)
     return parallel
 
 
-def _compile_searched(model, example_inputs, options, strategy, hardware, memory_budget, bucket_cap_bytes, mode,
-                      loss_fn):
+def _compile_searched(model, example_inputs, example_kwargs, options, strategy, hardware, memory_budget,
+                      bucket_cap_bytes, mode, loss_fn):
     """compile(pipeline="auto"): plan before the first call, then build the pipelined or the intra-op module."""
-    if example_inputs is None:
+    if example_inputs is None and not example_kwargs:
         raise AutoparError("pipeline='auto' chooses between a pipelined and an intra-op layout before the first "
                            "call and needs example_inputs; found None. Pass this rank's slice of a batch (as for "
                            "data parallelism), or pipeline=N.")
-    args = _as_tuple(example_inputs)
+    args = positional_inputs(model, _as_tuple(example_inputs), example_kwargs)
     world = launch.get_world_size() if launch.is_initialized() else 1
     batch = batch_size(args, {}) or 0
     planner = _Planner(None, strategy, hardware, memory_budget, False, bucket_cap_bytes, mode)
@@ -386,7 +388,8 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     pipeline: None, or N pipeline stages (ranks laid out as world/N data-parallel x N pipeline; cut between the
     layers of the model's nn.ModuleList); microbatches: per rank and step (None: 2N if it divides the batch, else
     N); schedule: "gpipe" | "1f1b" (default) | "interleaved_1f1b" | "zero_bubble"; loss_fn(output, target): what
-    ``pmodel.step(inputs, targets)`` minimises (a pipelined model computes the loss inside the schedule).
+    ``pmodel.step(inputs, targets)`` minimises (a pipelined model computes the loss inside the schedule);
+    keyword inputs (example_kwargs, a dict as ``step``'s inputs) are bound to the forward's positions.
     mixed_precision: None, "bf16", "fp16" or autopar.MixedPrecision(param_dtype=, reduce_dtype=, output_dtype=)
     (runtime.precision): fp32 master parameters and optimizer state, forward and backward in param_dtype,
     gradient reductions in reduce_dtype (fp32 for the short names), outputs in output_dtype (fp32).
@@ -422,9 +425,10 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
         _check_pipeline_strategy(strategy, mesh, full_batch, pipeline_options)
         _check_pipeline_precision(policy)
         if pipeline_options.searched:
-            return _compile_searched(model, example_inputs, pipeline_options, strategy, hardware, memory_budget,
-                                     bucket_cap_bytes, mode, loss_fn)
-        return _compile_pipeline(model, example_inputs, pipeline_options, strategy, hardware, mode, loss_fn)
+            return _compile_searched(model, example_inputs, example_kwargs, pipeline_options, strategy, hardware,
+                                     memory_budget, bucket_cap_bytes, mode, loss_fn)
+        return _compile_pipeline(model, example_inputs, example_kwargs, pipeline_options, strategy, hardware, mode,
+                                 loss_fn)
     if isinstance(mesh, int):
         options["mesh"] = (mesh,)
     recompute.layer_names(model, activation_checkpointing)  # a model without repeated layers fails here, not later

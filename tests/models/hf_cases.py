@@ -66,34 +66,53 @@ def run_case(rank, world, name, strategy, mode):
 PIPELINE_BATCH = 8
 
 
-def next_token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, next-token targets) of one global batch for a pipelined causal language model."""
+def next_token_batch(step: int, masked: bool = False):
+    """(inputs, next-token targets) of one global batch for a pipelined causal language model: the input_ids, or
+    (``masked``) keyword inputs with an attention_mask that pads the last 5 positions of every other sequence."""
     tokens = hf_batch("llama", PIPELINE_BATCH, step)["input_ids"]
-    return tokens, torch.roll(tokens, -1, dims=1)
+    target = torch.roll(tokens, -1, dims=1)
+    if not masked:
+        return tokens, target
+    mask = torch.ones_like(tokens)
+    mask[::2, -5:] = 0
+    return {"input_ids": tokens, "attention_mask": mask}, target
+
+
+def _call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def _slice(inputs, parts: int, index: int):
+    """Slice ``index`` of ``parts`` along dim 0 of a tensor or of each value of a dict of them."""
+    if isinstance(inputs, dict):
+        return {key: value.chunk(parts)[index] for key, value in inputs.items()}
+    return inputs.chunk(parts)[index]
 
 
 @functools.cache
-def pipeline_reference(name: str):
+def pipeline_reference(name: str, masked: bool = False):
     """One process, whole global batch, the pipeline's loss: the run a pipelined one must reproduce."""
     def loss_at(model, step):
-        inputs, target = next_token_batch(step)
-        return next_token_loss(model(inputs), target)
+        inputs, target = next_token_batch(step, masked)
+        return next_token_loss(_call(model, inputs), target)
     return _one_process(name, loss_at)
 
 
-def run_pipeline_case(rank, world, name, schedule, mode, strategy, resume_from=None):
+def run_pipeline_case(rank, world, name, schedule, mode, strategy, resume_from=None, masked=False):
     """3 AdamW steps of ``name`` cut into 2 stages (``pmodel.step``): each step's loss, the full parameters, the
     type of the model's output, the plan's strategy and the layers of each stage. ``resume_from`` (a directory):
     after the first step ``save_checkpoint`` there, and a fresh model (other initial values) compiled alike
-    loads it and takes the other steps."""
+    loads it and takes the other steps. ``masked``: keyword inputs with a padding attention_mask (a dict passed to
+    ``step``)."""
     torch._dynamo.reset()
     share = 1 if strategy == "tensor_parallel" else world // 2  # tensor-parallel stage ranks pass the same batch
 
     def fresh(seed: int):
         model = build_hf_model(name, seed=seed)
-        inputs, _ = next_token_batch(0)
-        pmodel = autopar.compile(model, inputs.chunk(share)[rank // 2 % share], pipeline=2, schedule=schedule,
-                                 loss_fn=next_token_loss, mode=mode, strategy=strategy)
+        mine = _slice(next_token_batch(0, masked)[0], share, rank // 2 % share)
+        example = {"example_kwargs": mine} if masked else {"example_inputs": mine}
+        pmodel = autopar.compile(model, pipeline=2, schedule=schedule, loss_fn=next_token_loss, mode=mode,
+                                 strategy=strategy, **example)
         return model, pmodel, optimizer_for(pmodel.parameters())
 
     model, pmodel, optimizer = fresh(0)
@@ -104,12 +123,12 @@ def run_pipeline_case(rank, world, name, schedule, mode, strategy, resume_from=N
             autopar.save_checkpoint(resume_from, pmodel, optimizer, step=step)
             model, pmodel, optimizer = fresh(1)
             assert autopar.load_checkpoint(resume_from, pmodel, optimizer)["step"] == step
-        inputs, target = next_token_batch(step)
+        inputs, target = next_token_batch(step, masked)
         optimizer.zero_grad(set_to_none=True)
-        losses.append(pmodel.step(inputs.chunk(replicas)[slot], target.chunk(replicas)[slot]).item())
+        losses.append(pmodel.step(_slice(inputs, replicas, slot), target.chunk(replicas)[slot]).item())
         optimizer.step()
     state = pmodel.state_dict()
-    output = pmodel(inputs.chunk(replicas)[slot])
+    output = _call(pmodel, _slice(inputs, replicas, slot))
     return {"losses": losses, "params": {n: state[n].clone() for n, _ in model.named_parameters()},
             "output": type(output).__name__, "strategy": pmodel.plan.strategy,
             "stages": [list(row.layers) for row in pmodel.plan.stages]}

@@ -5,9 +5,10 @@ Their forwards do not trace with torch.fx (keyword-only signatures, cache object
 top-level forward is captured by dynamo as torch.export captures it, each node knowing the layer it ran in. In
 one process: the stages of that capture, run one after the other on a micro-batch, give the model's own output;
 each stage holds only its layers' parameters; an offline plan names the model's layers; a forward neither
-torch.fx nor dynamo can take fails with both reasons. On gloo ranks, 3 AdamW steps with ``pmodel.step`` equal one
-process (losses 1e-5 relative, full parameters rtol 1e-4 / atol 1e-5): GPT-2 1F1B eager and LLaMA GPipe graph
-on 2 ranks (pp=2); on 4 ranks LLaMA with fully-sharded stages (dp=2 x pp=2, 1F1B eager) and LLaMA (GPipe) and
+torch.fx nor dynamo can take fails with both reasons; keyword inputs bind to the forward's positions (and one
+behind a parameter that would stay None is refused by name). On gloo ranks, 3 AdamW steps with ``pmodel.step`` equal one
+process (losses 1e-5 relative, full parameters rtol 1e-4 / atol 1e-5): GPT-2 1F1B eager, LLaMA GPipe graph and
+LLaMA 1F1B eager called with keywords and a padding attention_mask on 2 ranks (pp=2); on 4 ranks LLaMA with fully-sharded stages (dp=2 x pp=2, 1F1B eager) and LLaMA (GPipe) and
 GPT-2 (1F1B: its (in, out) ``Conv1D`` weights, a boolean attention mask crossing the stages) with tensor-parallel
 stages (pp=2 x tp=2, eager); LLaMA's fully-sharded stages resume exactly from a checkpoint (``save_checkpoint``
 after one step, a fresh model loading it). One spawned job per world size runs its cases.
@@ -15,6 +16,7 @@ after one step, a fresh model loading it). One spawned job per world size runs i
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -23,7 +25,8 @@ import torch
 pytest.importorskip("transformers")
 
 import torch_autopar as autopar  # noqa: E402
-from torch_autopar.capture.modules import assign_units, stages_at, trace_top_level  # noqa: E402
+from torch_autopar.capture.modules import (assign_units, positional_inputs, stages_at,  # noqa: E402
+                                           trace_top_level)
 from torch_autopar.errors import AutoparError  # noqa: E402
 from torch_autopar.search.pipeline import stage_of_units  # noqa: E402
 from torch_autopar.testing import run_on_ranks  # noqa: E402
@@ -33,11 +36,13 @@ from tests.models import hf_cases  # noqa: E402
 
 SPLIT_MODELS = ("gpt2", "llama", "qwen2", "bert", "vit")
 CASES = {
-    2: [("gpt2", "1f1b", "eager", "auto"), ("llama", "gpipe", "graph", "auto")],
+    2: [("gpt2", "1f1b", "eager", "auto"), ("llama", "gpipe", "graph", "auto"),
+        ("llama", "1f1b", "eager", "auto", "masked")],
     4: [("llama", "1f1b", "eager", "fully_shard"), ("llama", "gpipe", "eager", "tensor_parallel"),
         ("gpt2", "1f1b", "eager", "tensor_parallel"), ("llama", "1f1b", "eager", "fully_shard", "resume")],
 }
-"""(model, schedule, mode, stage strategy[, "resume": checkpointed after the first step, a fresh model loads it])"""
+"""(model, schedule, mode, stage strategy[, "resume": checkpointed after the first step, a fresh model loads it;
+"masked": keyword inputs with a padding attention_mask])"""
 
 
 def _first_input(name: str) -> torch.Tensor:
@@ -95,9 +100,28 @@ def test_a_forward_neither_fx_nor_dynamo_takes_names_both():
         trace_top_level(_Unpipelinable(), (torch.randn(2, 4),))
 
 
+def test_keyword_inputs_take_the_forwards_positions():
+    model = build_hf_model("llama")
+    ids, mask = _first_input("llama"), torch.ones(4, 16, dtype=torch.long)
+    bound = positional_inputs(model, (), {"attention_mask": mask, "input_ids": ids})
+    assert len(bound) == 2 and bound[0] is ids and bound[1] is mask
+    assert positional_inputs(model, (ids,), {"attention_mask": mask})[1] is mask
+
+
+def test_a_keyword_behind_a_defaulted_parameter_is_refused_by_name():
+    """GPT-2's forward has its cache parameter between input_ids and attention_mask: no positional tensor can
+    stand for it, so the error names both and the way out."""
+    model = build_hf_model("gpt2")
+    name = list(inspect.signature(model.forward).parameters)[1]
+    with pytest.raises(AutoparError, match=rf"parameter '{name}' .* ahead of the keyword 'attention_mask'.*"
+                                           r"'input_ids'"):
+        positional_inputs(model, (), {"input_ids": _first_input("gpt2"),
+                                      "attention_mask": torch.ones(4, 16, dtype=torch.long)})
+
+
 def _job(rank, world, cases, directory):
-    return {case: support.outcome(hf_cases.run_pipeline_case, rank, world, *case[:4],
-                                  resume_from=os.path.join(directory, "-".join(case)) if len(case) > 4 else None)
+    return {case: support.outcome(hf_cases.run_pipeline_case, rank, world, *case[:4], masked="masked" in case,
+                                  resume_from=os.path.join(directory, "-".join(case)) if "resume" in case else None)
             for case in cases}
 
 
@@ -113,7 +137,7 @@ def test_pipelined_equals_one_process(jobs, tmp_path_factory, world, case):
         jobs[world] = run_on_ranks(_job, world, CASES[world], str(tmp_path_factory.mktemp("checkpoints")),
                                    timeout_s=900)
     name, strategy = case[0], case[3]
-    ref_losses, ref_params = hf_cases.pipeline_reference(name)
+    ref_losses, ref_params = hf_cases.pipeline_reference(name, "masked" in case)
     for rank, result in enumerate(jobs[world]):
         status, run = result[case]
         assert status == "ok", f"rank {rank} {case}: {status}: {run}"

@@ -86,6 +86,36 @@ def trace_top_level(model: torch.nn.Module, args: tuple) -> TopLevel:
     return TopLevel(graph_module=gm, family=family, layers=layers, layer_of=layer_of)
 
 
+def positional_inputs(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> tuple:
+    """One call's inputs as the positional tensors a pipeline's first stage takes: keywords bound to
+    ``model.forward``'s parameters by name (``input_ids=..., attention_mask=...`` → the first two positions), every
+    position up to the last one given holding a tensor. A clear error where keywords cannot be placed so."""
+    if not kwargs:
+        return tuple(args)
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError as error:
+        raise AutoparError(f"pipeline=N could not bind the inputs to {type(model).__name__}.forward{signature}: "
+                           f"{error}. Pass the arguments its forward takes.") from None
+    names = list(signature.parameters)
+    last = max(names.index(name) for name in bound.arguments)
+    inputs = []
+    for name in names[:last + 1]:
+        parameter = signature.parameters[name]
+        value = bound.arguments.get(name, parameter.default)
+        if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD) \
+                or not isinstance(value, torch.Tensor):
+            raise AutoparError(
+                f"pipeline=N passes a model's inputs to its first stage as tensors in the order of its forward's "
+                f"parameters; {type(model).__name__}.forward's parameter {name!r} ({parameter.kind.description}) "
+                f"would get {type(value).__name__} there, ahead of the keyword {names[last]!r}. Expected a tensor for "
+                f"every parameter up to the last one given: pass only the leading tensor inputs (e.g. "
+                f"{names[0]!r}), or drop pipeline=.")
+        inputs.append(value)
+    return tuple(inputs)
+
+
 def _captured_top_level(model: torch.nn.Module, args: tuple, traced: Exception | None = None) -> TopLevel:
     """``model``'s forward captured by dynamo at the shapes of ``args`` (fake copies: nothing runs), its layers
     found from the modules each node ran in."""

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from torch_autopar import _compat, launch
-from torch_autopar.capture.modules import stages_at
+from torch_autopar.capture.modules import positional_inputs, stages_at
 from torch_autopar.errors import AutoparError
 from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime import stage_sharding, stage_tensor_parallel
@@ -96,12 +96,11 @@ class PipelineModule(torch.nn.Module):
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def prepare(self, args: tuple, kwargs: dict | None = None):
-        """Plan and build this rank's stages from one call's inputs (what this rank passes)."""
-        if kwargs:
-            raise AutoparError(f"a pipelined model takes positional inputs; found keywords {sorted(kwargs)}. "
-                               "Pass them positionally.")
+        """Plan and build this rank's stages from one call's inputs (what this rank passes; keywords are bound
+        to positions: ``capture.modules.positional_inputs``)."""
+        args = positional_inputs(self._user, tuple(args), kwargs)
         if self.layout is None:
-            self._build(self._planner(self._user, tuple(args)), tuple(args))
+            self._build(self._planner(self._user, args), args)
         return self.plan
 
     def _build(self, layout, args: tuple) -> None:
@@ -268,15 +267,16 @@ class PipelineModule(torch.nn.Module):
         return batch
 
     def step(self, inputs, targets, *, loss_scale: float = 1.0) -> torch.Tensor:
-        """Forward and backward over all micro-batches of this rank's ``inputs`` (a tensor or a tuple of
-        positional inputs); returns the loss of the whole global batch (the same on every rank). Gradients
+        """Forward and backward over all micro-batches of this rank's ``inputs`` (a tensor, a tuple of
+        positional inputs or a dict of keyword inputs, e.g. ``input_ids`` and ``attention_mask``); returns the loss of the whole global batch (the same on every rank). Gradients
         accumulate into ``.grad`` scaled by ``loss_scale`` (1/K for K accumulated steps); the returned loss
         is not scaled."""
         if self.loss_fn is None:
             raise AutoparError("pmodel.step(inputs, targets) computes the loss inside the pipeline and needs it: "
                                "found loss_fn=None. Pass autopar.compile(..., loss_fn=fn) or train with "
                                "autopar.Model(pmodel, loss_fn, optimizer).")
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        args = positional_inputs(self._user, (), inputs) if isinstance(inputs, dict) else \
+            inputs if isinstance(inputs, tuple) else (inputs,)
         self.prepare(args)
         self._check_batch(args)
         schedule = self._schedule(args, targets)
@@ -352,7 +352,8 @@ class PipelineModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         """Forward only (no autograd history; train with ``step``): the last stage's output, on every rank."""
-        self.prepare(args, kwargs)
+        args = positional_inputs(self._user, args, kwargs)
+        self.prepare(args)
         self._check_batch(args)
         schedule = self._schedule(args, None, backward=False)
         with torch.no_grad():
