@@ -31,7 +31,7 @@ import torch_autopar as autopar  # noqa: E402
 from bench.provenance import code_state, write_report  # noqa: E402
 from torch_autopar.search.pipeline import SCHEDULES  # noqa: E402
 from torch_autopar.testing import run_on_ranks  # noqa: E402
-from torch_autopar.testing.hf_models import build_hf_model, next_token_loss  # noqa: E402
+from torch_autopar.testing.hf_models import VOCAB, build_hf_model, next_token_loss  # noqa: E402
 from torch_autopar.testing.models import GPT, GPTConfig, gpt2_init, gpt_loss  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline{}.json")
@@ -46,8 +46,10 @@ width 128 each."""
 
 
 def _model(model_name: str) -> torch.nn.Module:
-    if model_name != "gpt":
-        return build_hf_model(model_name, layers=CONFIG.n_layer, width=CONFIG.n_embd)
+    if model_name != "gpt":  # every variant without a key/value cache, as the pipelined stages run
+        model = build_hf_model(model_name, layers=CONFIG.n_layer, width=CONFIG.n_embd)
+        model.config.use_cache = False
+        return model
     torch.manual_seed(0)
     model = GPT(CONFIG)
     gpt2_init(model)
@@ -59,7 +61,7 @@ def _loss(model_name: str):
 
 
 def _data(model_name: str):
-    vocab = CONFIG.vocab_size if model_name == "gpt" else _model(model_name).config.vocab_size
+    vocab = CONFIG.vocab_size if model_name == "gpt" else VOCAB
     tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     return tokens[:, :-1], tokens[:, 1:]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import pickle
+import re
 from typing import Any, Callable
 
 import torch
@@ -90,9 +91,11 @@ def captured_output_spec(captured: torch.fx.GraphModule):
 
 
 def module_paths(node: torch.fx.Node) -> list[str]:
-    """The qualified paths (as dynamo writes them: "L['self'].model.layers.0") of the modules ``node`` ran
-    inside, outermost first (``meta["nn_module_stack"]``, filled by dynamo's capture)."""
-    return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    """The qualified names, from the captured module, of the modules ``node`` ran inside, outermost first
+    ("model.layers.0"; from ``meta["nn_module_stack"]``, filled by dynamo's capture, which writes them as
+    "L['self'].model.layers.0" or "L['self'].model.layers[0]")."""
+    paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    return [re.sub(r"\[(\d+)\]", r".\1", re.sub(r"^L\['self'\]\.?", "", path)) for path in paths]
 
 
 def trace_local_joint(run: Callable, local_inputs: list) -> torch.fx.GraphModule:
@@ -707,17 +710,19 @@ def redistribute_keyword_tensors(op, wanted_placements: Callable) -> None:
     batch-sharded query. Install a handler for ``op`` that first moves each keyword DTensor into
     ``wanted_placements(name, tensor, args, args_placements)`` (``args_placements``: the placements the chosen
     strategy wants for each positional argument, None for non-tensors), then runs the op as DTensor would. A
-    plain keyword tensor next to DTensor arguments (a mask a stage built from plain ops, under implicit
-    replication) is taken as replicated, as DTensor takes plain positional ones. Idempotent."""
+    plain keyword tensor next to DTensor arguments (a mask a stage built from plain ops) is taken as replicated
+    where DTensor takes a plain positional one so: under implicit replication, or with one element. Idempotent."""
     dispatcher = DTensor._op_dispatcher
     if op in dispatcher._custom_op_handlers:
         return
 
     def handler(op_call, args, kwargs):
         mesh = next((a.device_mesh for a in args if isinstance(a, DTensor)), None)
-        if mesh is not None:
+        if mesh is not None:  # as DTensor itself: under implicit replication, or a one-element tensor
+            implicit = dispatcher._allow_implicit_replication
             kwargs = {name: DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
-                      if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) else value
+                      if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+                      and (implicit or value.numel() == 1) else value
                       for name, value in kwargs.items()}
         if any(isinstance(value, DTensor) for value in kwargs.values()):
             wanted_args = _wanted_positional_placements(op_call, args, kwargs)

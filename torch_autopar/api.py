@@ -119,11 +119,15 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
                                       strategy=strategy, memory_budget=memory_budget, axis_names=axis_names,
                                       example_kwargs=example_kwargs, bucket_cap_bytes=bucket_cap_bytes,
                                       solver=solver, fold_layers=fold_layers)
-        args = positional_inputs(model, _as_tuple(example_inputs), example_kwargs)
         if options.searched:
+            try:
+                args = positional_inputs(model, _as_tuple(example_inputs), example_kwargs)
+            except AutoparError as unbound:
+                return _intra_only(intra(), unbound)
             return _searched_pipeline(model, args, options, intra, world=world, batch=batch_size(args, {}) or 0,
                                       hardware=job_profile(hardware), memory_budget=memory_budget,
                                       layouts=_stage_layouts(strategy))[0]
+        args = positional_inputs(model, _as_tuple(example_inputs), example_kwargs)
         return _offline_pipeline_plan(model, args, options, world, hardware, _pipeline_layout(strategy))
     if isinstance(strategy, Plan):
         _check_plan_recompute(activation_checkpointing)
@@ -165,6 +169,13 @@ def _offline_pipeline_plan(model, args, options, world, hardware, layout: str) -
                            f"a {options.ranks}-stage pipeline on {world} ranks; change the batch or pipeline=.")
     return pipelining.pipeline_plan(model, args, options, world_size=world, hardware=job_profile(hardware),
                                     batch_per_rank=batch // dp, dp_share=dp, layout=layout).plan
+
+
+def _intra_only(intra: Plan, unbound: AutoparError) -> Plan:
+    """pipeline="auto" for inputs no pipeline can take (keywords that do not bind to positions): the intra-op
+    plan, saying why."""
+    intra.notes.append(f"pipeline='auto' kept the intra-op plan: {str(unbound).removeprefix('torch_autopar: ')}")
+    return intra
 
 
 def _check_pipeline_precision(policy) -> None:
@@ -244,23 +255,28 @@ def _compile_searched(model, example_inputs, example_kwargs, options, strategy, 
     """compile(pipeline="auto"): plan before the first call, then build the pipelined or the intra-op module."""
     if example_inputs is None and not example_kwargs:
         raise AutoparError("pipeline='auto' chooses between a pipelined and an intra-op layout before the first "
-                           "call and needs example_inputs; found None. Pass this rank's slice of a batch (as for "
-                           "data parallelism), or pipeline=N.")
-    args = positional_inputs(model, _as_tuple(example_inputs), example_kwargs)
-    world = launch.get_world_size() if launch.is_initialized() else 1
-    batch = batch_size(args, {}) or 0
+                           "call and needs example_inputs or example_kwargs; found neither. Pass this rank's slice "
+                           "of a batch (as for data parallelism), or pipeline=N.")
+    args, kwargs = _as_tuple(example_inputs), dict(example_kwargs or {})
     planner = _Planner(None, strategy, hardware, memory_budget, False, bucket_cap_bytes, mode)
-    plan, layout = _searched_pipeline(model, args, options, lambda: planner(model, args, {}), world=world,
-                                      batch=batch, global_batch=batch * world,
-                                      hardware=job_profile(hardware), memory_budget=memory_budget,
-                                      layouts=_stage_layouts(strategy))
+    try:
+        positional = positional_inputs(model, args, kwargs)
+    except AutoparError as unbound:
+        plan, layout = _intra_only(planner(model, args, kwargs), unbound), None
+    else:
+        world = launch.get_world_size() if launch.is_initialized() else 1
+        batch = batch_size(positional, {}) or 0
+        plan, layout = _searched_pipeline(model, positional, options, lambda: planner(model, args, kwargs),
+                                          world=world, batch=batch, global_batch=batch * world,
+                                          hardware=job_profile(hardware), memory_budget=memory_budget,
+                                          layouts=_stage_layouts(strategy))
     if layout is None:
         parallel = ParallelModule(model, plan, mode=mode)
-        parallel.prepare(args, {})
+        parallel.prepare(args, kwargs)
         return parallel
     parallel = PipelineModule(model, planner=lambda *_: layout, loss_fn=loss_fn, mode=mode,
                               pipeline_size=plan.mesh_shape[-1], stage_layout=pipelining.stage_layout(plan))
-    parallel.prepare(args)
+    parallel.prepare(positional)
     return parallel
 
 

@@ -129,6 +129,13 @@ def run_pipeline_case(rank, world, name, schedule, mode, strategy, resume_from=N
         optimizer.step()
     state = pmodel.state_dict()
     output = _call(pmodel, _slice(inputs, replicas, slot))
-    return {"losses": losses, "params": {n: state[n].clone() for n, _ in model.named_parameters()},
+    shorter = inputs[:, :8] if isinstance(inputs, torch.Tensor) else {k: v[:, :8] for k, v in inputs.items()}
+    try:  # captured stages run at their capture's shapes: a clear error on every rank, before any collective
+        pmodel.step(_slice(shorter, replicas, slot), target[:, :8].chunk(replicas)[slot])
+        other_shapes = "ran"
+    except autopar.AutoparError as error:
+        other_shapes = str(error)
+    return {"losses": losses, "other_shapes": other_shapes,
+            "params": {n: state[n].clone() for n, _ in model.named_parameters()},
             "output": type(output).__name__, "strategy": pmodel.plan.strategy,
             "stages": [list(row.layers) for row in pmodel.plan.stages]}

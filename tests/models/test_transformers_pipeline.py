@@ -2,22 +2,30 @@
 and ViT cut between their layers (``pipeline=2``).
 
 Their forwards do not trace with torch.fx (keyword-only signatures, cache objects, shape checks), so the
-top-level forward is captured by dynamo as torch.export captures it, each node knowing the layer it ran in. In
-one process: the stages of that capture, run one after the other on a micro-batch, give the model's own output;
-each stage holds only its layers' parameters; an offline plan names the model's layers; a forward neither
-torch.fx nor dynamo can take fails with both reasons; keyword inputs bind to the forward's positions (and one
-behind a parameter that would stay None is refused by name). On gloo ranks, 3 AdamW steps with ``pmodel.step`` equal one
-process (losses 1e-5 relative, full parameters rtol 1e-4 / atol 1e-5): GPT-2 1F1B eager, LLaMA GPipe graph and
-LLaMA 1F1B eager called with keywords and a padding attention_mask on 2 ranks (pp=2); on 4 ranks LLaMA with fully-sharded stages (dp=2 x pp=2, 1F1B eager) and LLaMA (GPipe) and
-GPT-2 (1F1B: its (in, out) ``Conv1D`` weights, a boolean attention mask crossing the stages) with tensor-parallel
-stages (pp=2 x tp=2, eager); LLaMA's fully-sharded stages resume exactly from a checkpoint (``save_checkpoint``
-after one step, a fresh model loading it). One spawned job per world size runs its cases.
+top-level forward is captured by dynamo as torch.export captures it, each node knowing the layer it ran in.
+
+In one process: the stages of that capture, run one after the other on a micro-batch, give the model's own
+output; each stage holds only its layers' parameters; an offline plan names the model's layers; a forward
+neither torch.fx nor dynamo can take fails with both reasons; keyword inputs bind to the forward's positions
+(one behind a parameter that would stay None is refused by name); the outermost layer list is cut (not a list
+inside each layer), and a weight every layer reads does not repeat the layers; dropout fixed by the capture is
+reported (``mode_dependent_ops``, which a pipelined model checks against ``model.training``).
+
+On gloo ranks, 3 AdamW steps with ``pmodel.step`` equal one process (losses 1e-5 relative, full parameters
+rtol 1e-4 / atol 1e-5): on 2 ranks (pp=2) GPT-2 1F1B eager, LLaMA GPipe graph, and LLaMA 1F1B eager called
+with keywords and a padding attention_mask; on 4 ranks LLaMA with fully-sharded stages (dp=2 x pp=2, 1F1B
+eager), and LLaMA (GPipe) and GPT-2 (1F1B: its (in, out) ``Conv1D`` weights, a boolean attention mask crossing
+the stages) with tensor-parallel stages (pp=2 x tp=2, eager); LLaMA's fully-sharded stages resume exactly from
+a checkpoint (``save_checkpoint`` after one step, a fresh model loading it). A step at other shapes than the
+capture's fails with a ``torch_autopar:`` error on every rank, before any collective. One spawned job per world
+size runs its cases.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import re
 
 import pytest
 import torch
@@ -25,8 +33,8 @@ import torch
 pytest.importorskip("transformers")
 
 import torch_autopar as autopar  # noqa: E402
-from torch_autopar.capture.modules import (assign_units, positional_inputs, stages_at,  # noqa: E402
-                                           trace_top_level)
+from torch_autopar.capture.modules import (assign_units, mode_dependent_ops, positional_inputs,  # noqa: E402
+                                           stages_at, trace_top_level)
 from torch_autopar.errors import AutoparError  # noqa: E402
 from torch_autopar.search.pipeline import stage_of_units  # noqa: E402
 from torch_autopar.testing import run_on_ranks  # noqa: E402
@@ -119,6 +127,58 @@ def test_a_keyword_behind_a_defaulted_parameter_is_refused_by_name():
                                       "attention_mask": torch.ones(4, 16, dtype=torch.long)})
 
 
+class _Blocks(torch.nn.Module):
+    """Layers that each hold a ModuleList of sublayers, all reading one shared weight, called from a forward
+    torch.fx cannot trace (a branch on ``x.dim()``): captured, cut between the blocks, not the sublayers."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Parameter(torch.randn(8, 8))
+        self.blocks = torch.nn.ModuleList(_Block(self.shared) for _ in range(2))
+
+    def forward(self, x):
+        if x.dim() == 3:
+            x = x.flatten(0, 1)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.subs = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.shared = shared
+
+    def forward(self, x):
+        for sub in self.subs:
+            x = torch.relu(sub(x))
+        return x @ self.shared
+
+
+def test_the_outermost_layer_list_is_cut_and_a_shared_read_does_not_repeat_layers():
+    model = _Blocks()
+    x = torch.randn(4, 8)
+    top = trace_top_level(model, (x,))
+    assert top.captured_from is model and (top.family, top.layers) == ("blocks", ["blocks.0", "blocks.1"])
+    stages = stages_at(top, assign_units(top), stage_of_units([0, 1, 2]), (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(top.structured(stages[1](*stages[0](x))), model(x))
+
+
+def test_mode_dependent_ops_of_captured_stages():
+    model = build_hf_model("gpt2")
+    model.config.resid_pdrop = 0.1
+    model = type(model)(model.config).train()  # GPT-2's default dropout
+    inputs = _first_input("gpt2")
+    top = trace_top_level(model, (inputs,))
+    stages = stages_at(top, assign_units(top), stage_of_units([0, 1, 2]), (inputs,))
+    assert any(op.startswith("dropout") for op in mode_dependent_ops(stages))
+    llama = build_hf_model("llama")
+    top = trace_top_level(llama, (inputs,))
+    assert mode_dependent_ops(stages_at(top, assign_units(top), stage_of_units([0, 1, 2]), (inputs,))) == []
+
+
 def _job(rank, world, cases, directory):
     return {case: support.outcome(hf_cases.run_pipeline_case, rank, world, *case[:4], masked="masked" in case,
                                   resume_from=os.path.join(directory, "-".join(case)) if "resume" in case else None)
@@ -147,3 +207,4 @@ def test_pipelined_equals_one_process(jobs, tmp_path_factory, world, case):
         assert run["output"] == type(build_hf_model(name)(_first_input(name))).__name__, what
         assert strategy == "auto" or run["strategy"] == f"pipeline+{strategy}", what
         assert len(run["stages"]) == 2, what
+        assert re.search(r"were captured .* shaped \(\(\d+, 16\).*; found \(\(\d+, 8\)", run["other_shapes"]), what

@@ -13,9 +13,10 @@ as ``capture.layers`` names layer instances. ``assign_units`` puts every node in
 layer), layer k (what the layer runs and the glue after it), "post" (after the last layer).
 ``measure_units`` prices each unit on fake tensors (forward FLOPs from ``torch.utils.flop_counter``'s formulas,
 bytes of the tensors the forward creates) and ``split_stages`` turns a unit → stage map into one
-``GraphModule`` per stage, sharing the user's own submodules and parameters (values another stage needs are
-passed on, stage by stage, as contiguous tensors: what point-to-point sends take). Must never change the model
-or its parameters.
+``GraphModule`` per stage, sharing the user's own submodules (traced) or the user's parameters under their
+names (captured) (values another stage needs are passed on, stage by stage, as contiguous tensors: what
+point-to-point sends take). A captured stage runs at the shapes, and in the train/eval mode, of its capture
+(``mode_dependent_ops`` lists what the mode changes). Must never change the model or its parameters.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from torch_autopar import _compat
 from torch_autopar.errors import AutoparError
@@ -93,25 +95,29 @@ def positional_inputs(model: torch.nn.Module, args: tuple, kwargs: dict | None) 
     if not kwargs:
         return tuple(args)
     signature = inspect.signature(model.forward)
+    named = [name for name, parameter in signature.parameters.items()
+             if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(kwargs) - set(named))
+    if unknown:
+        raise AutoparError(f"pipeline=N binds keyword inputs to {type(model).__name__}.forward's positional "
+                           f"parameters {named}; found keywords {unknown} that are none of them (keyword-only, or "
+                           "taken by **kwargs). Pass only those parameters, or drop pipeline=.")
     try:
         bound = signature.bind_partial(*args, **kwargs)
     except TypeError as error:
         raise AutoparError(f"pipeline=N could not bind the inputs to {type(model).__name__}.forward{signature}: "
                            f"{error}. Pass the arguments its forward takes.") from None
-    names = list(signature.parameters)
-    last = max(names.index(name) for name in bound.arguments)
+    last = max(named.index(name) for name in kwargs)
     inputs = []
-    for name in names[:last + 1]:
-        parameter = signature.parameters[name]
-        value = bound.arguments.get(name, parameter.default)
-        if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD) \
-                or not isinstance(value, torch.Tensor):
+    for name in named[:last + 1]:
+        value = bound.arguments.get(name, signature.parameters[name].default)
+        if not isinstance(value, torch.Tensor):
+            found = "nothing" if value is inspect.Parameter.empty else type(value).__name__
             raise AutoparError(
                 f"pipeline=N passes a model's inputs to its first stage as tensors in the order of its forward's "
-                f"parameters; {type(model).__name__}.forward's parameter {name!r} ({parameter.kind.description}) "
-                f"would get {type(value).__name__} there, ahead of the keyword {names[last]!r}. Expected a tensor for "
-                f"every parameter up to the last one given: pass only the leading tensor inputs (e.g. "
-                f"{names[0]!r}), or drop pipeline=.")
+                f"parameters; {type(model).__name__}.forward's parameter {name!r} would get {found} there, ahead "
+                f"of the keyword {named[last]!r}. Expected a tensor for every parameter up to the last one given: "
+                f"pass only the leading tensor inputs (e.g. {named[0]!r}), or drop pipeline=.")
         inputs.append(value)
     return tuple(inputs)
 
@@ -158,7 +164,7 @@ def _one_read_per_use(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-_WRAPPER_PATH = re.compile(r"^L\['self'\]\.(module|call\.func)\.?")  # _CapturableOutputs' path to the model
+_WRAPPER_PATH = re.compile(r"^(module|call\.func)\.?")  # _CapturableOutputs' path to the model
 
 
 def _captured_layers(model: torch.nn.Module, gm: fx.GraphModule) -> tuple[str, list[str], dict[fx.Node, int]]:
@@ -168,8 +174,10 @@ def _captured_layers(model: torch.nn.Module, gm: fx.GraphModule) -> tuple[str, l
         lists.add("")
     found: dict[fx.Node, dict[str, str]] = {}  # node → {family: layer} of every layer it ran inside
     for node in gm.graph.nodes:
+        if node.op == "get_attr":  # placed with its first user (assign_units); a shared read has many
+            continue
         for path in _compat.module_paths(node):
-            name = re.sub(r"\[(\d+)\]", r".\1", _WRAPPER_PATH.sub("", path))
+            name = _WRAPPER_PATH.sub("", path)
             match = _LAYER_TARGET.match(name)
             if match and (match.group("family") or "") in lists:
                 found.setdefault(node, {}).setdefault(match.group("family") or "", name)
@@ -179,6 +187,9 @@ def _captured_layers(model: torch.nn.Module, gm: fx.GraphModule) -> tuple[str, l
             order = calls.setdefault(family, [])
             if not order or order[-1] != name:
                 order.append(name)
+    members = {name for order in calls.values() for name in order}  # a list inside a layer is not the layers
+    calls = {family: order for family, order in calls.items()
+             if not any(family.startswith(member + ".") for member in members)}
     family, layers = _one_family(calls, type(model).__name__)
     index_of = {name: i for i, name in enumerate(layers)}
     return family, layers, {node: index_of[members[family]] for node, members in found.items() if family in members}
@@ -315,7 +326,7 @@ def split_stages(top: TopLevel, unit: dict, stage_of_unit) -> list[fx.GraphModul
         else:
             live = [n for n in nodes if n in env and _used_after(n, s, stage)]
             _check_passable(live, s)  # sent and received as contiguous buffers (a captured value may be a view)
-            graph.output(tuple(graph.call_method("contiguous", (env[n],)) for n in live))
+            graph.output(tuple(graph.call_function(_contiguous, (env[n],)) for n in live))
         modules.append(fx.GraphModule(top.graph_module, graph, class_name=f"Stage{s}"))
     return modules
 
@@ -331,13 +342,41 @@ def _used_after(node: fx.Node, s: int, stage: dict) -> bool:
     return any(user.op == "output" or stage.get(user, -1) > s for user in node.users)
 
 
+def _contiguous(value):
+    """A value a stage sends: a tensor as a contiguous one (what point-to-point sends take)."""
+    return value.contiguous() if isinstance(value, torch.Tensor) else value
+
+
 def _check_passable(values: list[fx.Node], s: int) -> None:
     for value in values:
         if value.op == "get_attr":
             raise AssertionError(f"a parameter read {value.format_node()} crosses a stage boundary")
-        if value.type is not None and value.type is not torch.Tensor:
-            raise AutoparError(f"pipeline stage {s} would pass {value.name} ({value.type}) to the next stage; "
+        example = value.meta.get("example_value", value.meta.get("val"))  # a captured node's value
+        if value.type is not None and value.type is not torch.Tensor or \
+                example is not None and not isinstance(example, torch.Tensor):
+            kind = value.type.__name__ if value.type is not None else type(example).__name__
+            raise AutoparError(f"pipeline stage {s} would pass {value.name} ({kind}) to the next stage; "
                                "only tensors travel between stages. Compute it inside the layers.")
+
+
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+             torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
+
+
+def mode_dependent_ops(graphs: list[fx.GraphModule]) -> list[str]:
+    """The nodes of captured stages whose result depends on train/eval mode, which the capture fixed: dropout
+    with p > 0 (attention's too) and batch norm (a captured graph runs ops, not modules, so ``model.eval()``
+    does not reach them)."""
+    found = []
+    for graph in graphs:
+        for node in graph.graph.nodes:
+            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+            attention_p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0)
+            if node.op == "call_function" and (node.target in _DROPOUTS and p != 0
+                                               or node.target is F.scaled_dot_product_attention and attention_p
+                                               or node.target in (F.batch_norm, torch.batch_norm)):
+                found.append(f"{node.target.__name__} ({node.name})")
+    return found
 
 
 def unit_modules(top: TopLevel, unit: dict) -> dict[object, list[str]]:

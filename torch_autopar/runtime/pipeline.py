@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from torch_autopar import _compat, launch
-from torch_autopar.capture.modules import positional_inputs, stages_at
+from torch_autopar.capture.modules import mode_dependent_ops, positional_inputs, stages_at
 from torch_autopar.errors import AutoparError
 from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime import stage_sharding, stage_tensor_parallel
@@ -93,6 +93,8 @@ class PipelineModule(torch.nn.Module):
         self._schedules: dict = {}
         self._sharded = False
         self._tensor_parallel = False
+        self._captured: tuple | None = None
+        """For stages cut from a dynamo capture: (its micro-batch shapes, the model's mode then, mode-dependent ops)."""
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def prepare(self, args: tuple, kwargs: dict | None = None):
@@ -113,6 +115,8 @@ class PipelineModule(torch.nn.Module):
         microbatch = tuple(a.chunk(plan.microbatches)[0] if isinstance(a, torch.Tensor) else a for a in args)
         graphs = stages_at(layout.top, layout.unit, stage_of_units(layout.cuts), microbatch)
         self._graphs = graphs
+        self._captured = None if layout.top.captured_from is None else \
+            (_shapes(microbatch), self._user.training, mode_dependent_ops(graphs))
         self._stage_shapes = StageShapes(graphs, plan.microbatches)  # before sharding: of the whole parameters
         self._first_names = _first_names(self._user)  # before sharding replaces tied parameters' objects
         if world > 1:
@@ -207,8 +211,7 @@ class PipelineModule(torch.nn.Module):
             for name, param in graph.named_parameters(remove_duplicate=False):
                 _register(holder, self._first_names.get(name, name), param)
             for name, buffer in graph.named_buffers(remove_duplicate=False):
-                owner, _, leaf = name.rpartition(".")
-                _register(holder, name, buffer, _compat.is_persistent_buffer(graph.get_submodule(owner), leaf))
+                _register(holder, name, buffer, _persistent_in(self._user, name))
         return holder
 
     @property
@@ -264,13 +267,34 @@ class PipelineModule(torch.nn.Module):
             raise AutoparError(
                 f"a pipelined step cuts each rank's batch into {self.plan.microbatches} micro-batches; found a batch "
                 f"of {batch}. Pass batches whose dim 0 divides by microbatches={self.plan.microbatches}.")
+        if self._captured is not None:
+            self._check_captured(args)
         return batch
+
+    def _check_captured(self, args: tuple) -> None:
+        """Stages captured by dynamo run the ops of one capture: at its micro-batch shapes, in its mode."""
+        shapes, training, mode_dependent = self._captured
+        found = _shapes(tuple(a.chunk(self.plan.microbatches)[0] if isinstance(a, torch.Tensor) else a for a in args))
+        name = type(self._user).__name__
+        if found != shapes:
+            raise AutoparError(
+                f"this pipeline's stages were captured from {name}.forward (torch.fx cannot trace it) for "
+                f"micro-batches shaped {shapes}; found {found}. Captured stages run at the shapes they were captured "
+                "at: pad every batch to those shapes (same batch size and sequence length), or compile another "
+                "pipelined model for these.")
+        if self._user.training != training and mode_dependent:
+            mode = "training" if training else "eval"
+            raise AutoparError(
+                f"this pipeline's stages were captured from {name}.forward in {mode} mode, and their ops "
+                f"{mode_dependent[:3]} keep that mode's behaviour; found the model in "
+                f"{'training' if self._user.training else 'eval'} mode. Call pmodel.train({training}) first, or "
+                f"compile a model put in the mode you need.")
 
     def step(self, inputs, targets, *, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward over all micro-batches of this rank's ``inputs`` (a tensor, a tuple of
-        positional inputs or a dict of keyword inputs, e.g. ``input_ids`` and ``attention_mask``); returns the loss of the whole global batch (the same on every rank). Gradients
-        accumulate into ``.grad`` scaled by ``loss_scale`` (1/K for K accumulated steps); the returned loss
-        is not scaled."""
+        positional inputs or a dict of keyword inputs, e.g. ``input_ids`` and ``attention_mask``); returns the
+        loss of the whole global batch (the same on every rank). Gradients accumulate into ``.grad`` scaled by
+        ``loss_scale`` (1/K for K accumulated steps); the returned loss is not scaled."""
         if self.loss_fn is None:
             raise AutoparError("pmodel.step(inputs, targets) computes the loss inside the pipeline and needs it: "
                                "found loss_fn=None. Pass autopar.compile(..., loss_fn=fn) or train with "
@@ -407,6 +431,17 @@ class PipelineModule(torch.nn.Module):
         result = stage_sharding.load_dense_state(self._user, state_dict, strict)
         stage_sharding.load_full_state([self._graphs[s] for s in self._mine], state_dict)
         return result
+
+
+def _persistent_in(model: torch.nn.Module, name: str) -> bool:
+    """Whether the user's module saves buffer ``name`` in its state dict (a stage's copy of a module path holds
+    its buffers as persistent ones, and a captured stage holds constants the forward made as buffers too)."""
+    owner, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    return leaf in module._buffers and _compat.is_persistent_buffer(module, leaf)
 
 
 def _first_names(module: torch.nn.Module) -> dict[str, str]:

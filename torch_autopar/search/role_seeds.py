@@ -48,7 +48,8 @@ class MatrixSplit(NamedTuple):
 
 
 def _param_placement(role: str, value: torch.Tensor, size: int, split: MatrixSplit | None):
-    if role == "dp" or value.ndim == 0 or role == "tp" and value.ndim == 1 and (split is None or split.kind != "column"):
+    column = split is not None and split.kind == "column"
+    if role == "dp" or value.ndim == 0 or role == "tp" and value.ndim == 1 and not column:
         return Replicate()
     dim = 0
     if role == "tp" and split is not None and value.ndim == 2:

@@ -28,7 +28,7 @@ def _decoder_config(kind: str, layers: int, width: int):
 
 def build_hf_model(name: str, seed: int = 0, *, layers: int = 2, width: int = 64) -> torch.nn.Module:
     """A freshly initialised ``transformers`` model (deterministic given ``seed``), in training mode: ``layers``
-    blocks (each of T5's stacks) of hidden size ``width`` (4 heads, feed-forward 2 x width)."""
+    blocks (each of T5's stacks) of hidden size ``width`` (4 heads; feed-forward 2 x width, GPT-2's 4 x)."""
     import transformers
 
     torch.manual_seed(seed)
