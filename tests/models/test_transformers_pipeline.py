@@ -127,6 +127,14 @@ def test_a_keyword_behind_a_defaulted_parameter_is_refused_by_name():
                                       "attention_mask": torch.ones(4, 16, dtype=torch.long)})
 
 
+def test_auto_keeps_the_intra_op_plan_for_keywords_no_pipeline_takes():
+    keywords = {"input_ids": _first_input("gpt2"), "attention_mask": torch.ones(4, 16, dtype=torch.long)}
+    plan = autopar.plan(build_hf_model("gpt2"), (), example_kwargs=keywords, mesh_shape=(2,), hardware="cpu-gloo",
+                        pipeline="auto")
+    assert plan.pipeline_stages == 1
+    assert any("kept the intra-op plan" in note and "'attention_mask'" in note for note in plan.notes), plan.notes
+
+
 class _Blocks(torch.nn.Module):
     """Layers that each hold a ModuleList of sublayers, all reading one shared weight, called from a forward
     torch.fx cannot trace (a branch on ``x.dim()``): captured, cut between the blocks, not the sublayers."""
