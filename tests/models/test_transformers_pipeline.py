@@ -130,7 +130,7 @@ def test_a_keyword_behind_a_defaulted_parameter_is_refused_by_name():
 def test_auto_keeps_the_intra_op_plan_for_keywords_no_pipeline_takes():
     keywords = {"input_ids": _first_input("gpt2"), "attention_mask": torch.ones(4, 16, dtype=torch.long)}
     plan = autopar.plan(build_hf_model("gpt2"), (), example_kwargs=keywords, mesh_shape=(2,), hardware="cpu-gloo",
-                        pipeline="auto")
+                        pipeline="auto", strategy="data_parallel")
     assert plan.pipeline_stages == 1
     assert any("kept the intra-op plan" in note and "'attention_mask'" in note for note in plan.notes), plan.notes
 
