@@ -370,11 +370,12 @@ def mode_dependent_ops(graphs: list[fx.GraphModule]) -> list[str]:
     found = []
     for graph in graphs:
         for node in graph.graph.nodes:
+            if node.op != "call_function":
+                continue
             p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
             attention_p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0)
-            if node.op == "call_function" and (node.target in _DROPOUTS and p != 0
-                                               or node.target is F.scaled_dot_product_attention and attention_p
-                                               or node.target in (F.batch_norm, torch.batch_norm)):
+            if (node.target in _DROPOUTS and p != 0 or node.target is F.scaled_dot_product_attention and attention_p
+                    or node.target in (F.batch_norm, torch.batch_norm)):
                 found.append(f"{node.target.__name__} ({node.name})")
     return found
 

@@ -112,7 +112,7 @@ class PipelineModule(torch.nn.Module):
             raise AssertionError(f"plan mesh {plan.mesh_shape} vs ({self._dp}, {self._pp})")
         count = plan.pipeline_stages
         self._mine = [s for s in range(count) if s % self._pp == self._p]
-        microbatch = tuple(a.chunk(plan.microbatches)[0] if isinstance(a, torch.Tensor) else a for a in args)
+        microbatch = _first_microbatch(args, plan.microbatches)
         graphs = stages_at(layout.top, layout.unit, stage_of_units(layout.cuts), microbatch)
         self._graphs = graphs
         self._captured = None if layout.top.captured_from is None else \
@@ -274,7 +274,7 @@ class PipelineModule(torch.nn.Module):
     def _check_captured(self, args: tuple) -> None:
         """Stages captured by dynamo run the ops of one capture: at its micro-batch shapes, in its mode."""
         shapes, training, mode_dependent = self._captured
-        found = _shapes(tuple(a.chunk(self.plan.microbatches)[0] if isinstance(a, torch.Tensor) else a for a in args))
+        found = _shapes(_first_microbatch(args, self.plan.microbatches))
         name = type(self._user).__name__
         if found != shapes:
             raise AutoparError(
@@ -466,6 +466,12 @@ def _register(holder: torch.nn.Module, name: str, tensor: torch.Tensor, persiste
         module.register_parameter(leaf, tensor)
     else:
         module.register_buffer(leaf, tensor, persistent=persistent)
+
+
+def _first_microbatch(args: tuple, microbatches: int) -> tuple:
+    """The first of ``microbatches`` micro-batches of one call's inputs (tensors split on dim 0, as the
+    schedule splits them)."""
+    return tuple(a.chunk(microbatches)[0] if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _shapes(args: tuple) -> tuple:
