@@ -26,6 +26,7 @@ from torch_autopar.runtime.modes import MODES, get_mode
 from torch_autopar.runtime.pipeline import PipelineModule
 from torch_autopar.search import Plan, build_plan, check_strategy
 from torch_autopar.search import pipeline as pipelining
+from torch_autopar.search import reshard_choice
 from torch_autopar.search.planner import Planner, plan_from_parameters
 from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES
 
@@ -48,9 +49,11 @@ def _capture(module, fake_args, fake_kwargs, policy):
 
 
 def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardware, memory_budget, bucket_cap_bytes,
-                  executable: bool, solver: str = "auto", fold_layers: bool = False, mode: str = "eager",
+                  solver: str = "auto", fold_layers: bool = False, mode: str = "eager",
                   policy: precision.MixedPrecision | None = None, full_batch: bool = False,
-                  reshard_after_forward: bool = True, activation_checkpointing=None):
+                  reshard_after_forward: bool | str = True, activation_checkpointing=None):
+    """The plan for one global batch on ``mesh``, priced as it runs in ``mode`` (``Planner.executed``); on a
+    folded capture (offline ``fold_layers``) the solver's layouts, which only the unfolded model can run."""
     started = time.perf_counter()
     candidates = recompute.layer_names(module, activation_checkpointing)
     fake_args, fake_kwargs = fake_global_inputs(module, args, kwargs, batch_factor)
@@ -61,19 +64,24 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
     names = mesh.mesh_dim_names or launch.default_axis_names(mesh.ndim)
     result = build_plan(program, mesh, names, strategy=strategy, hardware=job_profile(hardware),
                         memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
-                        global_batch=batch_size(fake_args, fake_kwargs), executable=executable, solver=solver,
-                        folding=folding, mode=mode, full_batch=full_batch,
+                        global_batch=batch_size(fake_args, fake_kwargs), executable=not folding.lengths,
+                        solver=solver, folding=folding, mode=mode, full_batch=full_batch,
                         reshard_after_forward=reshard_after_forward,
                         activation_checkpointing=activation_checkpointing, recompute_candidates=candidates,
                         **precision.planned_dtypes(policy))
     result.search_stats.update({"capture_s": captured - started, "total_s": time.perf_counter() - started})
+    if folding.lengths:
+        result.notes.append("planned on a folded capture (" + ", ".join(
+            f"{path}: {length} layers" for path, length in folding.lengths.items()) + "): the solver's layouts and "
+            "estimate, as graph mode runs them on the whole model; compile plans the unfolded model and prices it as "
+            "it runs in its mode (fold_layers=False gives that plan offline)")
     if activation_checkpointing == "auto" and result.activation_checkpointing and mode == "graph" \
             and result.node_layouts and not result.is_data_parallel() and mesh.size() > 1:
         # graph mode runs the plan's node layouts on a capture with the chosen layers checkpointed (a few nodes
         # more): plan again on that capture, with the choice fixed
         return _plan_on_mesh(module, args, kwargs, mesh, batch_factor=batch_factor, strategy=strategy,
                              hardware=hardware, memory_budget=memory_budget, bucket_cap_bytes=bucket_cap_bytes,
-                             executable=executable, solver=solver, fold_layers=fold_layers, mode=mode, policy=policy,
+                             solver=solver, fold_layers=fold_layers, mode=mode, policy=policy,
                              full_batch=full_batch, reshard_after_forward=reshard_after_forward,
                              activation_checkpointing=dict(result.activation_checkpointing))
     return result
@@ -83,16 +91,18 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
          memory_budget=None, axis_names=None, example_kwargs=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto", fold_layers: bool = True,
          pipeline=None, microbatches=None, schedule=None, mixed_precision=None, mode=None,
-         full_batch: bool = False, reshard_after_forward: bool = True, activation_checkpointing=None) -> Plan:
+         full_batch: bool = False, reshard_after_forward: bool | str = True, activation_checkpointing=None) -> Plan:
     """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK).
 
     hardware: as in ``compile`` ("measured" measures this process's device once and caches it).
-    mode: the mode the plan will run in ("eager" or "graph"; None: the global mode). A graph-mode plan is the
-    per-rank program compile runs (its boundary moves, its gradient buckets): for the same model, mesh,
-    hardware and batch it equals the plan ``compile(..., mode="graph")`` makes (with ``fold_layers=False``).
+    mode: the mode the plan will run in ("eager" or "graph"; None: the global mode). The plan is priced as it
+    runs in that mode (graph: the per-rank program with its boundary moves and gradient buckets; eager: DTensor
+    between the module boundaries the search chose): for the same model, mesh, hardware and batch it equals the
+    plan ``compile(..., mode=mode)`` makes, with ``fold_layers=False``.
     solver: "auto" (exact MILP unless the problem is too large, then propagation), "milp" or "propagate".
     fold_layers: capture only the first, one middle and the last layer of long lists of identical layers and
     weigh the middle one by the number of layers it stands for (see capture.fold); False captures every layer.
+    A folded plan holds the solver's layouts and estimate (the folded program itself cannot run; its notes say so).
     pipeline / microbatches / schedule: as in ``compile``; the mesh's ranks are then (stage ranks, pipeline).
     mixed_precision: as in ``compile``; compute and activations are priced in its param_dtype, gradient
     reductions in its reduce_dtype.
@@ -107,6 +117,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
     if mode is not None and mode not in MODES:
         raise AutoparError(f"mode={mode!r}: expected one of {MODES} or None (the global mode).")
     recompute.check_policy(activation_checkpointing)
+    reshard_choice.check_reshard_after_forward(reshard_after_forward)
     policy = precision.resolve(mixed_precision)
     world = math.prod(launch.mesh.check_mesh_shape(mesh_shape, None, "mesh_shape"))
     options = pipelining.check_options(pipeline, microbatches, schedule, world)
@@ -118,8 +129,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
             intra = functools.partial(plan, model, example_inputs, mesh_shape=mesh_shape, hardware=hardware,
                                       strategy=strategy, memory_budget=memory_budget, axis_names=axis_names,
                                       example_kwargs=example_kwargs, bucket_cap_bytes=bucket_cap_bytes,
-                                      solver=solver, fold_layers=fold_layers)
-        if options.searched:
+                                      solver=solver, fold_layers=fold_layers, mode=mode)
             try:
                 args = positional_inputs(model, _as_tuple(example_inputs), example_kwargs)
             except AutoparError as unbound:
@@ -139,8 +149,8 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
     with launch.offline_mesh(mesh_shape, axis_names) as mesh:
         return _plan_on_mesh(model, _as_tuple(example_inputs), dict(example_kwargs or {}), mesh, batch_factor=1,
                              strategy=strategy, hardware=hardware, memory_budget=memory_budget,
-                             bucket_cap_bytes=bucket_cap_bytes, executable=False, solver=solver,
-                             fold_layers=fold_layers, policy=policy, mode=mode or get_mode(), full_batch=full_batch,
+                             bucket_cap_bytes=bucket_cap_bytes, solver=solver, fold_layers=fold_layers,
+                             policy=policy, mode=mode or get_mode(), full_batch=full_batch,
                              reshard_after_forward=reshard_after_forward,
                              activation_checkpointing=activation_checkpointing)
 
@@ -297,7 +307,7 @@ class _Planner:
     """Plans a module for this job's ranks from the inputs of one call (this rank's slice)."""
 
     def __init__(self, mesh, strategy, hardware, memory_budget, full_batch, bucket_cap_bytes, mode=None, policy=None,
-                 reshard_after_forward: bool = True, activation_checkpointing=None):
+                 reshard_after_forward: bool | str = True, activation_checkpointing=None):
         self.mesh, self.strategy, self.hardware, self.mode, self.policy = mesh, strategy, hardware, mode, policy
         self.reshard_after_forward, self.activation_checkpointing = reshard_after_forward, activation_checkpointing
         self.memory_budget, self.full_batch, self.bucket_cap_bytes = memory_budget, full_batch, bucket_cap_bytes
@@ -363,7 +373,7 @@ class _Planner:
     def _plan(self, module, args, kwargs, mesh, factor) -> Plan:
         return _plan_on_mesh(module, args, kwargs, mesh, batch_factor=factor, strategy=self.strategy,
                              hardware=self.hardware, memory_budget=self.memory_budget,
-                             bucket_cap_bytes=self.bucket_cap_bytes, executable=True, mode=self._mode(),
+                             bucket_cap_bytes=self.bucket_cap_bytes, mode=self._mode(),
                              policy=self.policy, full_batch=self.full_batch,
                              reshard_after_forward=self.reshard_after_forward,
                              activation_checkpointing=self.activation_checkpointing)
@@ -385,7 +395,8 @@ def _check_options(strategy, mode, mesh) -> None:
 def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memory_budget=None, hardware=None,
             mode=None, full_batch: bool = False, example_kwargs=None,
             bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, activation_checkpointing=None, pipeline=None,
-            microbatches=None, schedule=None, loss_fn=None, mixed_precision=None, reshard_after_forward: bool = True):
+            microbatches=None, schedule=None, loss_fn=None, mixed_precision=None,
+            reshard_after_forward: bool | str = True):
     """Plan ``model`` for this job's ranks and return a module that runs the plan (also a class decorator).
 
     example_inputs: what this rank will pass (its slice of the global batch); None plans at the first call.
@@ -416,8 +427,9 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     reshard_after_forward: a fully-sharded plan gathers its parameters per layer (each element of an
     nn.ModuleList) just before the layer runs, frees them after its forward and gathers them again for its
     backward (FSDP2's default: peak memory of one gathered layer, not of the whole model); False gathers them
-    once per step and keeps them until backward (less communication). Eager mode; a Plan passed as ``strategy``
-    carries its own (``plan.reshard_after_forward``).
+    once per step and keeps them until backward (less communication); "auto" plans both and builds the faster that
+    fits memory_budget (the plan's notes compare them). A Plan passed as ``strategy`` carries its own
+    (``plan.reshard_after_forward``).
     """
     options = dict(mesh=mesh, strategy=strategy, memory_budget=memory_budget, hardware=hardware, mode=mode,
                    full_batch=full_batch, bucket_cap_bytes=bucket_cap_bytes,
@@ -432,6 +444,7 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
         raise AutoparError(f"compile() expected an nn.Module instance or subclass, found {type(model).__name__}.")
     _check_options(strategy, mode, mesh)
     recompute.check_policy(activation_checkpointing)
+    reshard_choice.check_reshard_after_forward(reshard_after_forward)
     if isinstance(strategy, Plan):
         _check_plan_recompute(activation_checkpointing)
     policy = precision.resolve(mixed_precision)

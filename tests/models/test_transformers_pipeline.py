@@ -46,11 +46,12 @@ SPLIT_MODELS = ("gpt2", "llama", "qwen2", "bert", "vit")
 CASES = {
     2: [("gpt2", "1f1b", "eager", "auto"), ("llama", "gpipe", "graph", "auto"),
         ("llama", "1f1b", "eager", "auto", "masked")],
-    4: [("llama", "1f1b", "eager", "fully_shard"), ("llama", "gpipe", "eager", "tensor_parallel"),
-        ("gpt2", "1f1b", "eager", "tensor_parallel"), ("llama", "1f1b", "eager", "fully_shard", "resume")],
+    4: [("gpt2", "1f1b", "eager", "tensor_parallel"), ("llama", "1f1b", "eager", "fully_shard", "resume")],
 }
 """(model, schedule, mode, stage strategy[, "resume": checkpointed after the first step, a fresh model loads it;
 "masked": keyword inputs with a padding attention_mask])"""
+SLOW_CASES = {4: [("llama", "1f1b", "eager", "fully_shard"), ("llama", "gpipe", "eager", "tensor_parallel")]}
+"""Run with ``-m slow`` in a job of their own (the resume case above also trains fully-sharded LLaMA stages)."""
 
 
 def _first_input(name: str) -> torch.Tensor:
@@ -198,15 +199,17 @@ def jobs():
     return {}
 
 
-@pytest.mark.parametrize(("world", "case"), [(w, c) for w, cases in CASES.items() for c in cases],
+@pytest.mark.parametrize(("world", "case"), [(w, c) for w, cases in CASES.items() for c in cases] + [
+    pytest.param(w, c, marks=pytest.mark.slow) for w, cases in SLOW_CASES.items() for c in cases],
                          ids=lambda v: str(v) if isinstance(v, int) else "-".join(v))
 def test_pipelined_equals_one_process(jobs, tmp_path_factory, world, case):
-    if world not in jobs:
-        jobs[world] = run_on_ranks(_job, world, CASES[world], str(tmp_path_factory.mktemp("checkpoints")),
-                                   timeout_s=900)
+    key = (world, case not in CASES[world])  # the default job, or the slow cases' own
+    if key not in jobs:
+        cases = (SLOW_CASES if key[1] else CASES)[world]
+        jobs[key] = run_on_ranks(_job, world, cases, str(tmp_path_factory.mktemp("checkpoints")), timeout_s=900)
     name, strategy = case[0], case[3]
     ref_losses, ref_params = hf_cases.pipeline_reference(name, "masked" in case)
-    for rank, result in enumerate(jobs[world]):
+    for rank, result in enumerate(jobs[key]):
         status, run = result[case]
         assert status == "ok", f"rank {rank} {case}: {status}: {run}"
         what = f"rank {rank} {case} (plan: {run['strategy']})"

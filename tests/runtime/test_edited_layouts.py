@@ -50,8 +50,9 @@ def _run(rank, world, mode, edit):
     model = support.build_model("mlp")
     x, _ = support.global_batch("mlp", 0)
     with mock.patch("torch_autopar.search.planner.gathered_uses", lambda roles: lambda positions, strategies: None):
+        # the solver's own layouts (a graph-mode plan runs them as they are), edited, then run in either mode
         searched = autopar.plan(model, (x,), mesh_shape=(world,), strategy="fully_shard", hardware="cpu-gloo",
-                                fold_layers=False, mode=mode)
+                                fold_layers=False, mode="graph")
     pmodel = autopar.compile(model, x.chunk(world)[rank], strategy=_edit(searched, edit), mode=mode)
     optimizer = support.make_optimizer("adamw", pmodel.parameters())
     losses, counts = [], []

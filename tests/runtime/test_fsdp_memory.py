@@ -1,7 +1,7 @@
-"""Fully-sharded memory as FSDP2 has it (``runtime.fsdp``): on 2 and 4 gloo ranks, the fully_shard plan's
-placements with every parameter gathered for compute (as FSDP2 computes) in eager mode gather each block's
-parameters around its forward and backward only, so the peak memory of a training step per rank is at most 1.1x
-FSDP2's (``torch.distributed.fsdp.fully_shard`` on every block and the root) and at most 0.6x (2 ranks; 0.4x on 4)
+"""Fully-sharded memory as FSDP2 has it (``runtime.fsdp``): on 2 and (with ``-m slow``) 4 gloo ranks, the
+fully_shard plan's placements with every parameter gathered for compute (as FSDP2 computes) in eager mode gather
+each block's parameters around its forward and backward only, so the peak memory of a training step per rank is at
+most 1.1x FSDP2's (``torch.distributed.fsdp.fully_shard`` on every block and the root) and at most 0.6x (2 ranks; 0.4x on 4)
 autopar's data parallelism's, for an 8-block MLP and the project's GPT; the planner predicts that peak within 15%;
 and 4 AdamW steps equal one process (losses 1e-5 relative, parameters rtol 1e-4 / atol 1e-5). Peaks are the
 allocator's record (``testing.memory``), the least of steps 2-4 (the optimizer state exists; a buffer gloo frees on
@@ -14,11 +14,14 @@ its backward when it reshards, and exactly the plan's list. Graph mode (2 ranks,
 plan gathers the weights): the fully_shard program's peak is at most 1.15x eager mode's and below its own with
 ``reshard_after_forward=False``, predicted within 15%, and its losses equal one process. Without ranks: which
 parameters form a group and which join its flat all-gather, and the option saved and loaded with the plan.
+``reshard_after_forward="auto"`` keeps the GPT's groups gathered (faster) without a budget and reshards under a
+budget only resharding fits, offline and as compiled on 2 ranks (the collectives of its choice run).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+import re
 
 import pytest
 import torch
@@ -133,7 +136,7 @@ def _job(rank: int, world: int) -> dict:
     return {(name, run): _run(rank, world, name, run) for name in MODELS for run in RUNS}
 
 
-@pytest.fixture(scope="module", params=(2, 4), ids=lambda w: f"{w}ranks")
+@pytest.fixture(scope="module", params=(2, pytest.param(4, marks=pytest.mark.slow)), ids=lambda w: f"{w}ranks")
 def measured(request):
     world = request.param
     return world, run_on_ranks(_job, world, timeout_s=600)
@@ -293,3 +296,59 @@ def test_flat_gathers_take_dim0_shards_gathered_on_one_axis_padded_as_dtensor_pa
     assert flat_gather_axis((s1,), (r,)) is None and flat_gather_axis((s0, s0), (r, s0)) is None
     assert flat_gather_axis((s0, s0), (r, r)) is None and flat_gather_axis((s0, p), (r, p)) is None
     assert padded_shard_numel((10, 3), 4) == 9 and padded_shard_numel((8,), 2) == 4 and padded_shard_numel((1, 5), 4) == 5
+
+
+# reshard_after_forward="auto" -----------------------------------------------------------------------------------
+def _gpt_plans(settings=(True, False, "auto"), **kwargs) -> dict:
+    x = _batch("gpt", 0)[0]
+    return {reshard: autopar.plan(_model("gpt"), x, mesh_shape=(2,), strategy="fully_shard", hardware="cpu-gloo",
+                                  fold_layers=False, mode="eager", reshard_after_forward=reshard, **kwargs)
+            for reshard in settings}
+
+
+def _between(plans: dict) -> int:
+    """A budget that fits the plan resharding after forward and not the one keeping the groups gathered."""
+    return (plans[True].peak_memory + plans[False].peak_memory) // 2
+
+
+def test_auto_keeps_the_groups_gathered_when_that_fits_and_reshards_when_it_does_not():
+    plans = _gpt_plans()
+    keeping, resharding = plans[False], plans[True]
+    assert keeping.estimated_step_time < resharding.estimated_step_time  # one gather per block less
+    assert keeping.peak_memory > resharding.peak_memory
+    assert plans["auto"].reshard_after_forward is False
+    assert plans["auto"].estimated_step_time == keeping.estimated_step_time
+    assert plans["auto"].collectives == keeping.collectives
+    assert re.search(r"reshard_after_forward='auto': resharding after forward [\d.]+ ms, .*; chose to keep them "
+                     r"gathered", plans["auto"].explain())
+    bound = _gpt_plans((True, "auto"), memory_budget=_between(plans))
+    assert bound["auto"].reshard_after_forward is True
+    assert bound["auto"].collectives == bound[True].collectives and bound["auto"].peak_memory <= _between(plans)
+    assert "keeping them gathered: no plan fits the memory budget" in bound["auto"].explain()
+
+
+def test_reshard_after_forward_takes_only_its_three_values():
+    for bad in ("yes", None, 1):
+        with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: reshard_after_forward=.*expected True"):
+            autopar.plan(_model("blocks"), _batch("blocks", 0)[0], mesh_shape=(2,), reshard_after_forward=bad)
+
+
+def _auto_reshard(rank: int, world: int, budget: int | None) -> tuple[bool, list, Counter]:
+    model = _model("gpt")
+    x, y = (t.chunk(world)[rank] for t in _batch("gpt", 0))
+    pmodel = autopar.compile(model, x, strategy="fully_shard", mode="eager", hardware="cpu-gloo",
+                             memory_budget=budget, reshard_after_forward="auto")
+    counter = CollectiveCounter(pmodel.mesh)
+    with counter:
+        _loss("gpt", pmodel(x), y).backward()
+    return pmodel.plan.reshard_after_forward, counter.summary(), planned_summary(pmodel.plan)
+
+
+@pytest.mark.parametrize("bound", (False, True), ids=("unbound", "bound"))
+def test_compile_runs_the_setting_auto_chose(bound):
+    budget = _between(_gpt_plans()) if bound else None
+    for rank, (reshard, ran, planned) in enumerate(run_on_ranks(_auto_reshard, 2, budget, timeout_s=300)):
+        assert reshard is bound, f"rank {rank}"
+        assert ran == planned, f"rank {rank}: ran {sorted(ran.items())}, planned {sorted(planned.items())}"
+        gathers = sum(count for (kind, _, _), count in planned.items() if kind == "all_gather")
+        assert gathers == GPT_CONFIG.n_layer + 1 + (GPT_CONFIG.n_layer if bound else 0), f"rank {rank}"

@@ -1,7 +1,8 @@
-"""One plan: ``autopar.plan(..., mode="graph")`` made offline in one process (a fake mesh) equals the plan
-``autopar.compile(..., mode="graph")`` makes on 2 real gloo ranks for the same model, mesh, hardware profile and
-global batch: every node's layout, every parameter's placement and the collectives (kind, axis, bytes) the
-program runs, which are counted at run time too."""
+"""One plan: ``autopar.plan(..., mode=m)`` made offline in one process (a fake mesh) equals the plan
+``autopar.compile(..., mode=m)`` makes on 2 real gloo ranks for the same model, mesh, hardware profile and global
+batch, in both modes: every node's layout, every parameter's placement and the collectives (kind, axis, bytes)
+that run, which are counted at run time too. In eager mode both are the plan as DTensor executes it between the
+module boundaries the search chose (``Planner.executed``), not the solver's layouts."""
 
 from __future__ import annotations
 
@@ -13,20 +14,21 @@ from torch_autopar.runtime.comm_count import CollectiveCounter, planned_summary
 from torch_autopar.testing import run_on_ranks
 from tests import support
 
-CASES = [("mlp", "fully_shard"), ("gpt", "tensor_parallel"), ("gpt", "auto")]
+CASES = [(model, strategy, mode) for mode in ("graph", "eager")
+         for model, strategy in (("mlp", "fully_shard"), ("gpt", "tensor_parallel"), ("gpt", "auto"))]
 
 
 def _compiled(rank, world):
     plans = {}
-    for model_name, strategy in CASES:
+    for model_name, strategy, mode in CASES:
         torch._dynamo.reset()
         model = support.build_model(model_name)
         x, y = support.global_batch(model_name, 0)
-        pmodel = autopar.compile(model, x.chunk(world)[rank], strategy=strategy, mode="graph")
+        pmodel = autopar.compile(model, x.chunk(world)[rank], strategy=strategy, mode=mode)
         loss = support.loss_fn(model_name, pmodel(x.chunk(world)[rank]), y.chunk(world)[rank])
         with CollectiveCounter(pmodel.mesh) as counter:
             loss.backward()
-        plans[(model_name, strategy)] = (pmodel.plan, counter.summary())
+        plans[(model_name, strategy, mode)] = (pmodel.plan, counter.summary())
     return plans
 
 
@@ -37,10 +39,10 @@ def compiled():
 
 @pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_offline_plan_equals_the_compiled_plan(compiled, case):
-    model_name, strategy = case
+    model_name, strategy, mode = case
     x, _ = support.global_batch(model_name, 0)
     offline = autopar.plan(support.build_model(model_name), x, mesh_shape=(2,), hardware="cpu-gloo",
-                           strategy=strategy, fold_layers=False, mode="graph")
+                           strategy=strategy, fold_layers=False, mode=mode)
     plan, backward_counted = compiled[case]
     assert offline.param_placements == plan.param_placements
     assert offline.node_layouts == plan.node_layouts

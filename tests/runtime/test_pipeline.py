@@ -43,15 +43,19 @@ CASES = {
     2: [(model, schedule, mode) for model in ("gpt", "blocks") for schedule in ("gpipe", "1f1b")
         for mode in ("eager", "graph")] + [("blocks", "interleaved_1f1b", "eager"), ("blocks", "zero_bubble", "eager"),
                                            ("blocks", "zero_bubble", "graph")],
-    4: [("gpt", "gpipe", "eager"), ("gpt", "1f1b", "graph"), ("blocks", "1f1b", "eager"),
-        ("blocks", "gpipe", "graph"), ("gpt", "gpipe", "eager", "fully_shard"),
-        ("gpt", "1f1b", "graph", "fully_shard"), ("blocks", "1f1b", "eager", "fully_shard"),
-        ("blocks", "interleaved_1f1b", "eager", "fully_shard"), ("blocks", "zero_bubble", "eager", "fully_shard"),
-        ("gpt", "1f1b", "eager", "tensor_parallel"), ("blocks", "gpipe", "graph", "tensor_parallel"),
-        ("gpt_head", "gpipe", "eager", "tensor_parallel"), ("blocks", "interleaved_1f1b", "eager", "tensor_parallel"),
-        ("blocks", "zero_bubble", "eager", "tensor_parallel")],
+    4: [("gpt", "gpipe", "eager"), ("blocks", "gpipe", "graph"), ("gpt", "1f1b", "graph", "fully_shard"),
+        ("blocks", "zero_bubble", "eager", "fully_shard"), ("gpt", "1f1b", "eager", "tensor_parallel"),
+        ("blocks", "gpipe", "graph", "tensor_parallel"), ("gpt_head", "gpipe", "eager", "tensor_parallel")],
 }
 """The 4-rank cases with a fourth entry lay each stage out that way over its 2 ranks (else data parallel)."""
+SLOW_CASES = {
+    4: [("gpt", "1f1b", "graph"), ("blocks", "1f1b", "eager"), ("gpt", "gpipe", "eager", "fully_shard"),
+        ("blocks", "1f1b", "eager", "fully_shard"), ("blocks", "interleaved_1f1b", "eager", "fully_shard"),
+        ("blocks", "interleaved_1f1b", "eager", "tensor_parallel"),
+        ("blocks", "zero_bubble", "eager", "tensor_parallel")],
+}
+"""More 4-rank schedules per stage layout, run with ``-m slow`` in a job of their own (the default job keeps
+each stage layout under two schedules and both modes, within the suite's time)."""
 
 
 def _train_case(rank, world, model_name, schedule, mode, strategy="auto"):
@@ -322,7 +326,9 @@ CLIPS = {2: [("gpt", "auto", "1f1b")], 4: [("gpt", "fully_shard", "gpipe"), ("bl
                                             ("gpt", "tensor_parallel", "1f1b")]}
 
 
-def _job(rank, world, directory):
+def _job(rank, world, directory, slow=False):
+    if slow:
+        return {case: support.outcome(_train_case, rank, world, *case) for case in SLOW_CASES[world]}
     results = {case: support.outcome(_train_case, rank, world, *case) for case in CASES[world]}
     for case in CHECKPOINTS[world]:
         results[("checkpoint",) + case] = support.outcome(_checkpoint_case, rank, world, directory, *case)
@@ -345,14 +351,14 @@ def jobs():
     return {}
 
 
-def _results(jobs, world):
-    if world not in jobs:
+def _results(jobs, world, slow=False):
+    if (world, slow) not in jobs:
         directory = tempfile.mkdtemp(prefix="autopar-pipeline-")
         try:
-            jobs[world] = run_on_ranks(_job, world, directory, timeout_s=600)
+            jobs[(world, slow)] = run_on_ranks(_job, world, directory, slow, timeout_s=600)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-    return jobs[world]
+    return jobs[(world, slow)]
 
 
 @functools.cache
@@ -369,14 +375,15 @@ def _ok(results, key):
     return values
 
 
-ALL = [(world, case) for world in CASES for case in CASES[world]]
+ALL = [(world, case, False) for world in CASES for case in CASES[world]] + [
+    pytest.param((world, case, True), marks=pytest.mark.slow) for world in SLOW_CASES for case in SLOW_CASES[world]]
 
 
 @pytest.mark.parametrize("item", ALL, ids=lambda item: f"{item[0]}ranks-" + "-".join(item[1]))
 def test_pipeline_matches_one_process(jobs, item):
-    world, case = item
+    world, case, slow = item
     model_name = case[0]
-    runs = _ok(_results(jobs, world), case)
+    runs = _ok(_results(jobs, world, slow), case)
     ref_losses, ref_params = _reference(model_name)
     model = support.build_model(model_name)
     x, _ = support.global_batch(model_name, support.STEPS - 1)
@@ -411,8 +418,8 @@ def test_every_step_runs_exactly_this_ranks_share_of_the_plan(jobs, item):
     (FSDP2's all_gather and reduce_scatter, or one all_reduce), the tied embedding's sum, the loss's average.
     Where not exactly (``_counted_exactly``), every kind of collective that ran on each axis is one the plan lists
     there, and the tied sum and the loss's average are exactly the plan's."""
-    world, case = item
-    for rank, run in enumerate(_ok(_results(jobs, world), case)):
+    world, case, slow = item
+    for rank, run in enumerate(_ok(_results(jobs, world, slow), case)):
         what = f"rank {rank} {case} on {world} ranks"
         if _counted_exactly(case):
             _check_counted(run, what)

@@ -37,6 +37,15 @@ tp, replicated on dp), passed to compile as ``strategy=``: the search's own "ten
 these small models replicated on tp, which would not exercise 2-D execution."""
 SGD_CASES = {(2, (2,), "gpt", "tensor_parallel"), (2, (2,), "mlp", "fully_shard"), (4, (2, 2), "mlp", "fsdp_tp")}
 """Cases also run with SGD + momentum (the rest use the model's optimizer above)."""
+DEFAULT_4_RANKS = {
+    (4,): {("uneven", "fully_shard", "eager", "adamw"), ("uneven", "tensor_parallel", "graph", "adamw"),
+           ("mlp", "fully_shard", "graph", "adamw"), ("gpt", "tensor_parallel", "graph", "adamw"),
+           ("cnn", "tensor_parallel", "eager", "sgd")},
+    (2, 2): {("mlp", "megatron", "eager", "adamw"), ("gpt", "megatron", "eager", "adamw"),
+             ("mlp", "fsdp_tp", "graph", "adamw"), ("mlp", "fsdp_tp", "eager", "sgd"), ("cnn", "fsdp_tp", "eager", "sgd")},
+}
+"""The 4-rank cases of the default suite (every layout in both modes); the others run with ``-m slow``, in jobs
+of their own."""
 
 
 def _cases(world, mesh):
@@ -88,8 +97,13 @@ def _ddp_cnn(rank, world):
             "buffers": {n: b.clone() for n, b in model.module.named_buffers()}}
 
 
-def _job(rank, world, mesh):
-    results = {case: support.outcome(_run_case, rank, world, mesh, *case) for case in _cases(world, mesh)}
+def _slow(world, mesh, case) -> bool:
+    return world == 4 and case not in DEFAULT_4_RANKS[mesh]
+
+
+def _job(rank, world, mesh, slow):
+    results = {case: support.outcome(_run_case, rank, world, mesh, *case) for case in _cases(world, mesh)
+               if _slow(world, mesh, case) == slow}
     if mesh == (2,):
         results["ddp_cnn"] = support.outcome(_ddp_cnn, rank, world)
     return results
@@ -100,10 +114,10 @@ def jobs():
     return {}
 
 
-def _results(jobs, world, mesh):
-    if (world, mesh) not in jobs:
-        jobs[(world, mesh)] = run_on_ranks(_job, world, mesh, timeout_s=900)
-    return jobs[(world, mesh)]
+def _results(jobs, world, mesh, slow):
+    if (world, mesh, slow) not in jobs:
+        jobs[(world, mesh, slow)] = run_on_ranks(_job, world, mesh, slow, timeout_s=900)
+    return jobs[(world, mesh, slow)]
 
 
 @functools.cache
@@ -113,7 +127,8 @@ def _reference(model_name, optimizer_name):
     return losses, support.params_of(model), {n: b.clone() for n, b in model.named_buffers()}
 
 
-ALL_CASES = [(world, mesh, case) for (world, mesh) in LAYOUTS for case in _cases(world, mesh)]
+ALL_CASES = [pytest.param((world, mesh, case), marks=[pytest.mark.slow] if _slow(world, mesh, case) else [])
+             for (world, mesh) in LAYOUTS for case in _cases(world, mesh)]
 
 
 def _id(item):
@@ -125,7 +140,7 @@ def _id(item):
 def test_matches_one_process_and_counts_match_plan(jobs, item):
     world, mesh, case = item
     model_name, strategy, mode, optimizer_name = case
-    results = _results(jobs, world, mesh)
+    results = _results(jobs, world, mesh, _slow(world, mesh, case))
     outcomes = [r[case] for r in results]
     for rank, (status, value) in enumerate(outcomes):
         assert status == "ok", f"rank {rank} {case} on mesh {mesh}: {status}: {value}"

@@ -37,6 +37,7 @@ from torch_autopar.capture import capture
 from torch_autopar.cost import CostModel, HardwareProfile, Link
 from torch_autopar.launch import offline_mesh
 from torch_autopar.search import milp
+from torch_autopar.search.executed import BATCH_CHECK_BYTES, BATCH_CHECKS
 from torch_autopar.search.problem import build_problem
 from torch_autopar.strategies.enumerate import enumerate_strategies
 from torch_autopar.strategies.roles import axis_roles, leaf_filter
@@ -208,7 +209,8 @@ def test_budget_below_every_plan_states_the_smallest_memory(program):
 
 # through autopar.plan ------------------------------------------------------------------------------------------
 def test_fully_shard_plan_objective_and_collectives_by_hand():
-    plan = autopar.plan(_mlp(), _x(), mesh_shape=(2,), hardware=HARDWARE, strategy="fully_shard")
+    plan = autopar.plan(_mlp(), _x(), mesh_shape=(2,), hardware=HARDWARE, strategy="fully_shard",
+                        bucket_cap_bytes=0, mode="graph")
     assert plan.search_stats["mode"] == "exact"
     assert plan.search_stats["objective_s"] == pytest.approx(FULLY_SHARDED, rel=1e-6)
     assert plan.param_placements == {name: ("S(0)",) for name in NAMES}
@@ -218,9 +220,12 @@ def test_fully_shard_plan_objective_and_collectives_by_hand():
     assert [c.nbytes for c in plan.collectives if c.phase == "backward"] == [W2]
     grad_sync = [c for c in plan.collectives if c.phase == "grad_sync"]
     assert sorted((c.kind, c.nbytes) for c in grad_sync) == sorted(("reduce_scatter", n) for n in NAMES.values())
-    assert plan.estimated_step_time == pytest.approx(FULLY_SHARDED, rel=1e-6)  # each gradient on its own
+    # what runs adds the runtime's per-step check of equal batch slices (16 bytes all-reduced) to the objective
+    (check,) = [c for c in plan.collectives if c.where in BATCH_CHECKS]
+    assert (check.kind, check.nbytes) == ("all_reduce", BATCH_CHECK_BYTES)
+    assert plan.estimated_step_time == pytest.approx(FULLY_SHARDED + check.seconds, rel=1e-6)  # each gradient alone
     for c in plan.collectives:
-        assert c.axis == "dp" and c.seconds == pytest.approx(all_gather(c.nbytes), rel=1e-9)
+        assert c.axis == "dp" and (c is check or c.seconds == pytest.approx(all_gather(c.nbytes), rel=1e-9))
     assert plan.compute_time == pytest.approx(COMPUTE, rel=1e-6)
 
 

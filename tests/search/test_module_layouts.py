@@ -28,7 +28,8 @@ class _CallsTwice(torch.nn.Module):
 def test_each_once_called_submodule_has_its_boundary_with_the_plans_layouts():
     model = support.build_model("mlp")
     x, _ = support.global_batch("mlp", 0)
-    plan = autopar.plan(model, (x,), mesh_shape=(2,), strategy="fully_shard", hardware="cpu-gloo", fold_layers=False)
+    plan = autopar.plan(model, (x,), mesh_shape=(2,), strategy="fully_shard", hardware="cpu-gloo", fold_layers=False,
+                        mode="graph")
     assert sorted(plan.module_layouts) == ["layers.0", "layers.1", "layers.2"]
     first = plan.module_layouts["layers.0"]
     assert [(shape, layout) for _, shape, layout in first.inputs] == [((8, 32), plan.node_layouts["addmm"].inputs[1])]
@@ -72,11 +73,10 @@ def test_a_graph_plan_priced_from_its_node_layouts_is_the_plan(model_name, mesh_
     model = support.build_model(model_name)
     x, _ = support.global_batch(model_name, 0)
     with launch.offline_mesh(mesh_shape) as mesh:
-        plan = api._plan_on_mesh(model, (x,), {}, mesh, batch_factor=1, strategy=strategy, hardware="cpu-gloo",
-                                 memory_budget=None, bucket_cap_bytes=0, executable=False, mode="graph")
         planner = Planner(api._capture(model, (x,), {}, None), mesh, mesh.mesh_dim_names,
                           hardware=get_profile("cpu-gloo"), global_batch=x.shape[0], mode="graph",
                           bucket_cap_bytes=0)  # as planned: one gradient per bucket
+        plan = planner.plan(strategy)  # the search's plan, before it is priced as it runs
         relaid = planner.executed(plan)
     assert sorted(map(repr, relaid.collectives)) == sorted(map(repr, plan.collectives))
     assert relaid.estimated_step_time == pytest.approx(plan.estimated_step_time, rel=1e-12)

@@ -76,7 +76,8 @@ def bound():
 
 def test_memory_binds_pipelined_plan_fits_and_is_faster(bound):
     model, tokens = bound  # 5 GiB: the intra-op plan fits (5.34e9 bytes with activations as autograd keeps them)
-    plan = autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", memory_budget=5 * GIB, pipeline="auto")
+    plan = autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", memory_budget=5 * GIB, pipeline="auto",
+                        mode="graph")
     assert plan.pipeline_stages > 1 and plan.strategy.startswith("pipeline"), plan.explain()
     assert plan.peak_memory <= 5 * GIB
     compared = plan.search_stats["pipeline_auto"]

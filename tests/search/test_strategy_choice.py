@@ -35,7 +35,7 @@ def _plan(case, **kwargs):
     with torch.device("meta"):
         model = MLP(dims)
     return autopar.plan(model, torch.empty(batch, dims[0], device="meta"), mesh_shape=MESH, hardware=hardware,
-                        **kwargs)
+                        mode="graph", **kwargs)
 
 
 def _sharded(plan) -> set[str]:

@@ -34,7 +34,7 @@ from torch_autopar.search.layer_rows import layer_rows
 from torch_autopar.search import module_layouts as modules
 from torch_autopar.search.layouts import node_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
-from torch_autopar.search import recompute
+from torch_autopar.search import recompute, reshard_choice
 from torch_autopar.search.plan import Plan
 from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build_problem
 from torch_autopar.search.role_seeds import gathered_at_use, role_seeds
@@ -487,17 +487,22 @@ def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strate
                bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, global_batch: int | None = None,
                executable: bool = False, solver: str = "auto", folding=None, mode: str = "eager",
                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-               full_batch: bool = False, reshard_after_forward: bool = True, activation_checkpointing=None,
+               full_batch: bool = False, reshard_after_forward: bool | str = True, activation_checkpointing=None,
                recompute_candidates=None) -> Plan:
     """The best plan for ``program`` on ``mesh`` among the candidates ``strategy`` allows, with the layers
     ``activation_checkpointing`` recomputes (among ``recompute_candidates``, module paths; None: every repeated
-    layer captured)."""
-    planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
-                      bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver, folding=folding,
-                      mode=mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype, full_batch=full_batch,
-                      reshard_after_forward=reshard_after_forward, activation_checkpointing=activation_checkpointing,
-                      recompute_candidates=recompute_candidates)
-    plan = planner.plan(strategy, executable=executable)
+    layer captured); ``reshard_after_forward="auto"``: the better of both settings (``reshard_choice``)."""
+
+    def planned(reshard: bool) -> Plan:
+        planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
+                          bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver,
+                          folding=folding, mode=mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                          full_batch=full_batch, reshard_after_forward=reshard,
+                          activation_checkpointing=activation_checkpointing, recompute_candidates=recompute_candidates)
+        return planner.plan(strategy, executable=executable)
+
+    reshard_choice.check_reshard_after_forward(reshard_after_forward)
+    plan = reshard_choice.chosen(planned) if reshard_after_forward == "auto" else planned(reshard_after_forward)
     if param_dtype is not None:
         plan.notes.append(f"mixed precision: compute and activations in {param_dtype}, gradient reductions in "
                           f"{reduce_dtype}, parameters and optimizer state in their own dtype")
