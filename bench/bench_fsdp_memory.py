@@ -37,8 +37,10 @@ from torch_autopar.testing.memory import step_peak_bytes  # noqa: E402
 from torch_autopar.testing.models import GPT, BlockMLP, GPTConfig, gpt2_init, gpt_loss  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fsdp_memory.json")
-VARIANTS = ("fully_shard", "before", "fsdp2", "ddp", "data_parallel")
-"""fully_shard: autopar, reshard_after_forward=True (default); before: autopar, reshard_after_forward=False."""
+VARIANTS = ("fully_shard", "kept_last", "before", "fsdp2", "ddp", "data_parallel")
+"""fully_shard: autopar, reshard_after_forward=True (default); before: autopar, reshard_after_forward=False;
+kept_last: autopar, reshard_after_forward="auto" under a memory budget of fully_shard's predicted peak plus 1.5
+blocks (it keeps the blocks that budget allows gathered, the last ones of the forward: ``plan.kept_gathered``)."""
 GPT_CONFIG = GPTConfig(vocab_size=96, block_size=8, n_layer=8, n_head=2, n_embd=192)
 
 
@@ -59,10 +61,15 @@ def _batch(workload: str):
     return torch.randn(8, 128, generator=generator), torch.randn(8, 8, generator=generator), F.mse_loss
 
 
-def _variant(name: str, workload: str, x, world: int):
-    """(module to call, optimizer, predicted peak bytes or None)."""
+def _variant(name: str, workload: str, x, world: int, resharding_peak: int | None = None):
+    """(module to call, optimizer, predicted peak bytes or None); ``resharding_peak``: fully_shard's prediction."""
     model = _model(workload)
-    if name in ("fully_shard", "before", "data_parallel"):
+    if name == "kept_last":
+        block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+        module = autopar.compile(model, x, strategy="fully_shard", mode="eager", reshard_after_forward="auto",
+                                 memory_budget=resharding_peak + 3 * block // 2)
+        predicted = module.plan.peak_memory
+    elif name in ("fully_shard", "before", "data_parallel"):
         strategy = "data_parallel" if name == "data_parallel" else "fully_shard"
         module = autopar.compile(model, x, strategy=strategy, mode="eager", reshard_after_forward=name != "before")
         predicted = module.plan.peak_memory
@@ -108,7 +115,9 @@ def worker(rank: int, world: int, options: dict) -> dict:
     for workload in options["workloads"]:
         inputs, targets, loss_fn = _batch(workload)
         x, y = inputs.chunk(world)[rank], targets.chunk(world)[rank]
-        variants = {name: _variant(name, workload, x, world) for name in VARIANTS}
+        variants = {"fully_shard": _variant("fully_shard", workload, x, world)}
+        variants.update((name, _variant(name, workload, x, world, variants["fully_shard"][2]))
+                        for name in VARIANTS[1:])
         for variant in variants.values():
             _step(variant, x, y, loss_fn)  # the optimizer state exists from here on
         peaks = {name: statistics.median(_peak(v, x, y, loss_fn) for _ in range(options["profiled_steps"]))
@@ -117,7 +126,8 @@ def worker(rank: int, world: int, options: dict) -> dict:
             for _ in range(options["warmup"]):
                 _step(variant, x, y, loss_fn)
         out[workload] = {"peak_bytes": peaks, "predicted_bytes": {n: v[2] for n, v in variants.items()},
-                         "step_s": _times(variants, x, y, loss_fn, options)}
+                         "step_s": _times(variants, x, y, loss_fn, options),
+                         "kept_gathered": list(variants["kept_last"][0].plan.kept_gathered)}
     return out
 
 
@@ -134,6 +144,7 @@ def summarise(results: list) -> dict:
             "steps_timed": {n: len(v) for n, v in data["step_s"].items()},
             "peak_ratios": {f"fully_shard/{n}": peaks["fully_shard"] / peaks[n] for n in VARIANTS[1:]},
             "step_time_ratio_after/before": medians["fully_shard"] / medians["before"],
+            "kept_last_groups": data["kept_gathered"],
         }
     return summary
 
@@ -149,7 +160,8 @@ def table(world: int, summary: dict) -> str:
             lines.append(f"  {name:14s} peak {data['peak_mib_per_rank'][name]:7.2f}{guess:34s} "
                          f"step {data['median_step_ms'][name]:8.2f} ms")
         lines.append("  " + ", ".join(f"{k} {v:.2f}" for k, v in data["peak_ratios"].items())
-                     + f"; step time after/before {data['step_time_ratio_after/before']:.2f}")
+                     + f"; step time after/before {data['step_time_ratio_after/before']:.2f}; kept_last keeps "
+                     + (", ".join(data["kept_last_groups"]) or "no group") + " gathered")
     return "\n".join(lines)
 
 

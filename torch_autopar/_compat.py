@@ -217,6 +217,11 @@ def user_input_index(desc: Any) -> int | None:
     return desc.idx if isinstance(desc, _desc.PlainAOTInput) else None
 
 
+def param_target(desc: Any) -> str | None:
+    """For a parameter placeholder, its fully qualified name."""
+    return desc.target if isinstance(desc, _desc.ParamAOTInput) else None
+
+
 def grad_target(desc: Any) -> str | None:
     """For a graph output that is the gradient of a parameter or buffer, its fully qualified name."""
     if isinstance(desc, _desc.GradAOTOutput) and isinstance(desc.grad_of, (_desc.ParamAOTInput, _desc.BufferAOTInput)):

@@ -73,8 +73,9 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
     if folding.lengths:
         result.notes.append("planned on a folded capture (" + ", ".join(
             f"{path}: {length} layers" for path, length in folding.lengths.items()) + "): the solver's layouts and "
-            "estimate, as graph mode runs them on the whole model; compile plans the unfolded model and prices it as "
-            "it runs in its mode (fold_layers=False gives that plan offline)")
+            "estimate (graph mode runs these layouts on the whole model" + ("" if mode == "graph" else
+            "; eager mode's DTensor may place ops between module boundaries otherwise") + "); compile plans the "
+            "unfolded model and prices it as it runs in its mode (fold_layers=False gives that plan offline)")
     if activation_checkpointing == "auto" and result.activation_checkpointing and mode == "graph" \
             and result.node_layouts and not result.is_data_parallel() and mesh.size() > 1:
         # graph mode runs the plan's node layouts on a capture with the chosen layers checkpointed (a few nodes
@@ -129,7 +130,8 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
             intra = functools.partial(plan, model, example_inputs, mesh_shape=mesh_shape, hardware=hardware,
                                       strategy=strategy, memory_budget=memory_budget, axis_names=axis_names,
                                       example_kwargs=example_kwargs, bucket_cap_bytes=bucket_cap_bytes,
-                                      solver=solver, fold_layers=fold_layers, mode=mode)
+                                      solver=solver, fold_layers=fold_layers, mode=mode,
+                                      reshard_after_forward=reshard_after_forward)
             try:
                 args = positional_inputs(model, _as_tuple(example_inputs), example_kwargs)
             except AutoparError as unbound:
@@ -360,8 +362,9 @@ class _Planner:
         hardware = plan.hardware if plan.hardware in PROFILES else self.hardware
         planner = Planner(program, mesh, plan.axis_names, hardware=job_profile(hardware),
                           global_batch=batch_size(fake_args, fake_kwargs), mode=self._mode(),
-                          bucket_cap_bytes=self.bucket_cap_bytes,
-                          full_batch=self.full_batch, **precision.planned_dtypes(self.policy))
+                          bucket_cap_bytes=self.bucket_cap_bytes, full_batch=self.full_batch,
+                          reshard_after_forward=plan.reshard_after_forward, kept_gathered=plan.kept_gathered,
+                          **precision.planned_dtypes(self.policy))
         return planner.executed(plan)
 
     def _plan_with_graph(self, module, args, kwargs, world, factor) -> Plan:
@@ -427,9 +430,10 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     reshard_after_forward: a fully-sharded plan gathers its parameters per layer (each element of an
     nn.ModuleList) just before the layer runs, frees them after its forward and gathers them again for its
     backward (FSDP2's default: peak memory of one gathered layer, not of the whole model); False gathers them
-    once per step and keeps them until backward (less communication); "auto" plans both and builds the faster that
-    fits memory_budget (the plan's notes compare them). A Plan passed as ``strategy`` carries its own
-    (``plan.reshard_after_forward``).
+    once per step and keeps them until backward (less communication); "auto" chooses per layer: every layer kept
+    gathered if that fits memory_budget, else the last layers of the forward that fit (``plan.kept_gathered``),
+    whichever plan is fastest (the plan's notes compare them). A Plan passed as ``strategy`` carries its own
+    (``plan.reshard_after_forward``, ``plan.kept_gathered``).
     """
     options = dict(mesh=mesh, strategy=strategy, memory_budget=memory_budget, hardware=hardware, mode=mode,
                    full_batch=full_batch, bucket_cap_bytes=bucket_cap_bytes,

@@ -13,12 +13,12 @@ reported (``mode_dependent_ops``, which a pipelined model checks against ``model
 
 On gloo ranks, 3 AdamW steps with ``pmodel.step`` equal one process (losses 1e-5 relative, full parameters
 rtol 1e-4 / atol 1e-5): on 2 ranks (pp=2) GPT-2 1F1B eager, LLaMA GPipe graph, and LLaMA 1F1B eager called
-with keywords and a padding attention_mask; on 4 ranks LLaMA with fully-sharded stages (dp=2 x pp=2, 1F1B
-eager), and LLaMA (GPipe) and GPT-2 (1F1B: its (in, out) ``Conv1D`` weights, a boolean attention mask crossing
-the stages) with tensor-parallel stages (pp=2 x tp=2, eager); LLaMA's fully-sharded stages resume exactly from
-a checkpoint (``save_checkpoint`` after one step, a fresh model loading it). A step at other shapes than the
-capture's fails with a ``torch_autopar:`` error on every rank, before any collective. One spawned job per world
-size runs its cases.
+with keywords and a padding attention_mask; on 4 ranks GPT-2 (1F1B: its (in, out) ``Conv1D`` weights, a boolean
+attention mask crossing the stages) with tensor-parallel stages (pp=2 x tp=2, eager), and LLaMA's fully-sharded
+stages (dp=2 x pp=2, 1F1B eager) trained and resumed exactly from a checkpoint (``save_checkpoint`` after one
+step, a fresh model loading it); with ``-m slow`` also LLaMA fully-sharded without the resume and LLaMA (GPipe)
+with tensor-parallel stages. A step at other shapes than the capture's fails with a ``torch_autopar:`` error on
+every rank, before any collective. One spawned job per world size runs its default cases, another the slow ones.
 """
 
 from __future__ import annotations

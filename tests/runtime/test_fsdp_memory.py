@@ -14,12 +14,15 @@ its backward when it reshards, and exactly the plan's list. Graph mode (2 ranks,
 plan gathers the weights): the fully_shard program's peak is at most 1.15x eager mode's and below its own with
 ``reshard_after_forward=False``, predicted within 15%, and its losses equal one process. Without ranks: which
 parameters form a group and which join its flat all-gather, and the option saved and loaded with the plan.
-``reshard_after_forward="auto"`` keeps the GPT's groups gathered (faster) without a budget and reshards under a
-budget only resharding fits, offline and as compiled on 2 ranks (the collectives of its choice run).
+``reshard_after_forward="auto"`` keeps every group of the GPT gathered (faster) without a budget and, under a
+budget that fits one block more than resharding every group, keeps the last block gathered and reshards the others,
+offline and as compiled on 2 ranks (the collectives of its choice run, equal to the plan's, and it equals one
+process), as does a plan edited to keep two blocks; graph mode runs a plan that keeps a block gathered as planned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 import re
 
@@ -32,7 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 import torch_autopar as autopar
 from torch_autopar.capture.layers import reshard_groups
 from torch_autopar.runtime.comm_count import CollectiveCounter, planned_summary
-from torch_autopar.runtime.fsdp import grouped_names
+from torch_autopar.runtime.fsdp import FullyShardedGroups, grouped_names
 from torch_autopar.strategies.boundary import flat_gather_axis, padded_shard_numel
 from torch_autopar.testing import run_on_ranks
 from torch_autopar.testing.memory import step_peak_bytes
@@ -306,25 +309,34 @@ def _gpt_plans(settings=(True, False, "auto"), **kwargs) -> dict:
             for reshard in settings}
 
 
-def _between(plans: dict) -> int:
-    """A budget that fits the plan resharding after forward and not the one keeping the groups gathered."""
-    return (plans[True].peak_memory + plans[False].peak_memory) // 2
+def _one_block_more(plans: dict) -> int:
+    """A budget that fits the plan resharding every group with one block kept gathered, not two (nor all)."""
+    block = sum(p.numel() * p.element_size() for p in _model("gpt").blocks[0].parameters())
+    return plans[True].peak_memory + 3 * block // 2
 
 
-def test_auto_keeps_the_groups_gathered_when_that_fits_and_reshards_when_it_does_not():
+LAST = f"blocks.{GPT_CONFIG.n_layer - 1}"
+LAST_TWO = (f"blocks.{GPT_CONFIG.n_layer - 2}", LAST)
+
+
+def test_auto_keeps_every_group_gathered_when_that_fits_else_the_last_ones_that_fit():
     plans = _gpt_plans()
     keeping, resharding = plans[False], plans[True]
     assert keeping.estimated_step_time < resharding.estimated_step_time  # one gather per block less
-    assert keeping.peak_memory > resharding.peak_memory
-    assert plans["auto"].reshard_after_forward is False
+    assert keeping.peak_memory > _one_block_more(plans) > resharding.peak_memory
+    assert plans["auto"].reshard_after_forward is False and plans["auto"].collectives == keeping.collectives
     assert plans["auto"].estimated_step_time == keeping.estimated_step_time
-    assert plans["auto"].collectives == keeping.collectives
-    assert re.search(r"reshard_after_forward='auto': resharding after forward [\d.]+ ms, .*; chose to keep them "
-                     r"gathered", plans["auto"].explain())
-    bound = _gpt_plans((True, "auto"), memory_budget=_between(plans))
-    assert bound["auto"].reshard_after_forward is True
-    assert bound["auto"].collectives == bound[True].collectives and bound["auto"].peak_memory <= _between(plans)
-    assert "keeping them gathered: no plan fits the memory budget" in bound["auto"].explain()
+    assert re.search(r"reshard_after_forward='auto': to reshard every group: [\d.]+ ms, .*; chose to keep every "
+                     r"group gathered", plans["auto"].explain())
+    budget = _one_block_more(plans)
+    bound = _gpt_plans((True, "auto"), memory_budget=budget)
+    chosen = bound["auto"]
+    assert chosen.reshard_after_forward is True and chosen.kept_gathered == (LAST,)
+    assert chosen.peak_memory <= budget
+    assert keeping.estimated_step_time < chosen.estimated_step_time < bound[True].estimated_step_time
+    gathers = Counter(c.phase for c in chosen.collectives if c.kind == "all_gather" for _ in range(c.count))
+    assert gathers == {"forward": GPT_CONFIG.n_layer + 1, "backward": GPT_CONFIG.n_layer - 1}, gathers
+    assert "keeping every group gathered does not fit the budget" in chosen.explain()
 
 
 def test_reshard_after_forward_takes_only_its_three_values():
@@ -333,22 +345,94 @@ def test_reshard_after_forward_takes_only_its_three_values():
             autopar.plan(_model("blocks"), _batch("blocks", 0)[0], mesh_shape=(2,), reshard_after_forward=bad)
 
 
-def _auto_reshard(rank: int, world: int, budget: int | None) -> tuple[bool, list, Counter]:
+def _auto_reshard(rank: int, world: int, budget: int | None, plan: autopar.Plan | None) -> dict:
     model = _model("gpt")
     x, y = (t.chunk(world)[rank] for t in _batch("gpt", 0))
-    pmodel = autopar.compile(model, x, strategy="fully_shard", mode="eager", hardware="cpu-gloo",
+    pmodel = autopar.compile(model, x, strategy=plan or "fully_shard", mode="eager", hardware="cpu-gloo",
                              memory_budget=budget, reshard_after_forward="auto")
     counter = CollectiveCounter(pmodel.mesh)
     with counter:
         _loss("gpt", pmodel(x), y).backward()
-    return pmodel.plan.reshard_after_forward, counter.summary(), planned_summary(pmodel.plan)
+    pmodel.zero_grad()
+    losses, _ = _train(pmodel, "gpt", rank, world)
+    return {"setting": (pmodel.plan.reshard_after_forward, pmodel.plan.kept_gathered), "ran": counter.summary(),
+            "planned": planned_summary(pmodel.plan), "losses": losses}
 
 
-@pytest.mark.parametrize("bound", (False, True), ids=("unbound", "bound"))
-def test_compile_runs_the_setting_auto_chose(bound):
-    budget = _between(_gpt_plans()) if bound else None
-    for rank, (reshard, ran, planned) in enumerate(run_on_ranks(_auto_reshard, 2, budget, timeout_s=300)):
-        assert reshard is bound, f"rank {rank}"
+@pytest.mark.parametrize("case", ("unbound", "bound", "edited"))
+def test_compile_runs_the_setting_auto_chose(case):
+    """Unbound: every group kept gathered; under the budget: the last block kept, the others resharding; a plan
+    edited to keep the last two (gathered in one order on every rank): those. The collectives of the plan run,
+    and 4 AdamW steps equal one process."""
+    plans = _gpt_plans((True, False))
+    budget = _one_block_more(plans) if case == "bound" else None
+    plan = dataclasses.replace(plans[True], kept_gathered=LAST_TWO) if case == "edited" else None
+    kept = {"unbound": (False, ()), "bound": (True, (LAST,)), "edited": (True, LAST_TWO)}[case]
+    ranks = run_on_ranks(_auto_reshard, 2, budget, plan, timeout_s=300)
+    for rank, run in enumerate(ranks):
+        assert run["setting"] == kept, f"rank {rank}: {run['setting']}"
+        ran, planned = run["ran"], run["planned"]
         assert ran == planned, f"rank {rank}: ran {sorted(ran.items())}, planned {sorted(planned.items())}"
         gathers = sum(count for (kind, _, _), count in planned.items() if kind == "all_gather")
-        assert gathers == GPT_CONFIG.n_layer + 1 + (GPT_CONFIG.n_layer if bound else 0), f"rank {rank}"
+        again = GPT_CONFIG.n_layer - len(kept[1]) if kept[0] else 0
+        assert gathers == GPT_CONFIG.n_layer + 1 + again, f"rank {rank}"
+    ref_losses, _ = _one_process("gpt")
+    mean = [sum(run["losses"][s] for run in ranks) / 2 for s in range(STEPS)]
+    for step, (loss, ref) in enumerate(zip(mean, ref_losses)):
+        assert abs(loss - ref) <= 1e-5 * abs(ref), f"step {step}: {loss} vs {ref}"
+
+
+def test_kept_groups_are_saved_loaded_checked_and_refused_when_unknown(tmp_path):
+    plan = autopar.plan(_model("blocks"), _batch("blocks", 0)[0], mesh_shape=(2,), strategy="fully_shard",
+                        hardware="cpu-gloo", fold_layers=False)
+    plan.kept_gathered = ("blocks.6", "blocks.7")
+    plan.save(tmp_path / "plan.json")
+    assert autopar.Plan.load(tmp_path / "plan.json") == plan
+    text = (tmp_path / "plan.json").read_text().replace('"kept_gathered": [\n  "blocks.6",\n  "blocks.7"\n ]',
+                                                         '"kept_gathered": "blocks.7"')
+    (tmp_path / "bad.json").write_text(text)
+    with pytest.raises(autopar.AutoparError, match=r"kept_gathered.*a list of group names"):
+        autopar.Plan.load(tmp_path / "bad.json")
+    plan.kept_gathered = ("blocks.9",)
+    groups = FullyShardedGroups(_model("blocks"), {}, None, True)
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: the plan keeps the groups \['blocks.9'\]"):
+        groups.gather({}, True, plan.kept_gathered)
+
+
+def _graph_kept(rank: int, world: int) -> dict:
+    """Graph mode running a fully_shard plan edited to keep its last block gathered."""
+    x = _batch(GRAPH, 0)[0]
+    plans = {}
+    for kept in ((), ("blocks.1",)):
+        torch._dynamo.reset()
+        plan = autopar.plan(_model(GRAPH), x, mesh_shape=(world,), strategy="fully_shard", hardware="cpu-gloo",
+                            fold_layers=False, mode="graph")
+        plan.kept_gathered = kept
+        model = _model(GRAPH)
+        pmodel = autopar.compile(model, x.chunk(world)[rank], strategy=plan, mode="graph")
+        losses, _ = _train(pmodel, GRAPH, rank, world)
+        counter = CollectiveCounter(pmodel.mesh)
+        with counter:
+            _loss(GRAPH, pmodel(x.chunk(world)[rank]), _batch(GRAPH, 0)[1].chunk(world)[rank]).backward()
+        plans[kept] = {"kept": pmodel.plan.kept_gathered, "ran": counter.summary(), "losses": losses,
+                       "planned": planned_summary(pmodel.plan), "memory": pmodel.plan.memory_breakdown}
+    return plans
+
+
+def test_graph_mode_keeps_the_groups_the_plan_keeps_gathered():
+    """One all_gather fewer in backward per gathered parameter of the kept block, as planned; the same losses."""
+    ref_losses, _ = _one_process(GRAPH)
+    block = sum(1 for _ in _model(GRAPH).blocks[1].parameters())
+    ranks = run_on_ranks(_graph_kept, 2, timeout_s=300)
+    for rank, runs in enumerate(ranks):
+        gathers = {kept: sum(n for (kind, _, _), n in run["planned"].items() if kind == "all_gather")
+                   for kept, run in runs.items()}
+        assert 0 < gathers[()] - gathers[("blocks.1",)] <= block, f"rank {rank}: {gathers}"  # its gathered ones
+        for kept, run in runs.items():
+            assert run["kept"] == kept and run["ran"] == run["planned"], \
+                f"rank {rank} kept {kept}: ran {sorted(run['ran'].items())}, planned {sorted(run['planned'].items())}"
+        assert runs[("blocks.1",)]["memory"]["gathered_parameters"] > 0  # the kept block, priced as held
+    for kept in ((), ("blocks.1",)):
+        mean = [sum(runs[kept]["losses"][s] for runs in ranks) / 2 for s in range(STEPS)]
+        for step, (loss, ref) in enumerate(zip(mean, ref_losses)):
+            assert abs(loss - ref) <= 1e-5 * abs(ref), f"kept {kept} step {step}: {loss} vs {ref}"

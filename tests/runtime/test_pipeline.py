@@ -13,7 +13,7 @@ a pipeline; ``pmodel.clip_grad_norm_`` clips by the whole model's norm; ``autopa
 ``step``; ``state_dict`` gathers the whole model; bad inputs fail with
 torch_autopar errors before any collective.
 
-One spawned job per (world, layout) runs every case.
+One spawned job per world runs every default case; the 4-rank cases behind ``-m slow`` run in a job of their own.
 """
 
 from __future__ import annotations

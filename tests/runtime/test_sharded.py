@@ -8,7 +8,8 @@ Batch norm: a sharded plan computes batch statistics over the global batch (as S
 the op on the whole batch), so it equals one process; data parallelism computes them per rank, as
 DistributedDataParallel does, and is checked against DDP (``test_data_parallel.py`` and below).
 
-One spawned job per (world, mesh) runs every case; each case plans, compiles and trains its own module.
+One spawned job per (world, mesh) runs every default case (the 4-rank cases behind ``-m slow`` in jobs of their
+own); each case plans, compiles and trains its own module.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ DEFAULT_4_RANKS = {
     (2, 2): {("mlp", "megatron", "eager", "adamw"), ("gpt", "megatron", "eager", "adamw"),
              ("mlp", "fsdp_tp", "graph", "adamw"), ("mlp", "fsdp_tp", "eager", "sgd"), ("cnn", "fsdp_tp", "eager", "sgd")},
 }
-"""The 4-rank cases of the default suite (every layout in both modes); the others run with ``-m slow``, in jobs
-of their own."""
+"""The 4-rank cases of the default suite (each layout, both modes among them; the uneven shards); the others run
+with ``-m slow``, in jobs of their own."""
 
 
 def _cases(world, mesh):

@@ -301,3 +301,17 @@ def recompute_memory(activations: int, layers: list[tuple[str, int, int]], recom
             extra = max(extra, freed - later)
         later += saved - freed if layer in recomputed else saved
     return {"activations": kept, "recomputed_layer": extra}
+
+
+def read_by_backward(program: CapturedProgram, param: fx.Node) -> bool:
+    """Whether backward reads parameter ``param``'s value (itself, a view or its cast for mixed precision): then
+    autograd keeps the gathered copy, and a group that frees it after forward gathers it again for backward (a
+    weight whose input needs no gradient, a bias, is not read: ``runtime.fsdp`` does not gather those again)."""
+    pending = [param]
+    while pending:
+        for user in pending.pop().users:
+            if program.is_backward(user):
+                return True
+            if user.op == "call_function" and (is_free(user) or user.target in CASTS):
+                pending.append(user)
+    return False

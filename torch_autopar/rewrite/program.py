@@ -333,7 +333,10 @@ class ShardedProgram:
             self.graph, self.report = _rewrite(joint.graph_module, plan, mesh,
                                                placement.batch_size(fake_args, fake_kwargs), reduce_dtype)
             if plan.reshard_after_forward:  # gathered parameters freed after forward, gathered again for backward
-                self.report.regathered = reshard.recompute_parameter_gathers(self.graph, _Rewriter._is_param)
+                kept = plan.kept_gathered_params(joint.params_spec)  # but those of the groups kept gathered
+                self.report.regathered = reshard.recompute_parameter_gathers(
+                    self.graph, lambda node: _Rewriter._is_param(node)
+                    and _compat.param_target(node.meta["desc"]) not in kept)
             _compat.replace_joint_graph(joint, self.graph)
             self._compiled = _compat.compile_joint(joint, *compilers)
         self._params, self._buffers = list(joint.params_spec), list(joint.buffers_spec)

@@ -9,7 +9,8 @@ parameter (cast under a mixed-precision policy), and in backward, once every gra
 ONE reduce_scatter that leaves each gradient's shard in its parameter's layout, as DTensor's backward would.
 
   root       gathered by the runner once per call and kept for the step (backward needs it at once, as FSDP2's
-             root); with ``reshard_after_forward=False`` every group is gathered there too, and kept.
+             root); with ``reshard_after_forward=False`` every group is gathered there too, and kept, and so are
+             the groups ``Plan.kept_gathered`` names (``reshard_after_forward="auto"``).
   forward    a group's module runs through a wrapper of its ``forward`` that gathers the group (or takes the
              gather prefetched for it), issues the next group's all_gather (asynchronous: it overlaps this
              group's compute; "next" is the order the groups ran in the previous call, at first the order they
@@ -46,6 +47,7 @@ import torch
 
 from torch_autopar import _compat
 from torch_autopar.capture.layers import reshard_groups
+from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite.placement import local_view
 from torch_autopar.runtime.flat import GroupGather
 from torch_autopar.runtime.precision import MixedPrecision
@@ -90,10 +92,12 @@ class _RegatherBeforeBackward(torch.autograd.Function):
 
 
 class FullyShardedGroups:
-    """The groups of a fully-sharded module: the root gathered for the runner's call, the others around their
-    own forward and backward (or, not resharding, for the call too), each by one flat all_gather."""
+    """The groups of a fully-sharded module: the root (and the groups ``Plan.kept_gathered``) gathered for the
+    runner's call, the others around their own forward and backward (or, not resharding, for the call too), each
+    by one flat all_gather."""
 
-    def __init__(self, module: torch.nn.Module, gathered: dict, policy: MixedPrecision | None, reshard: bool):
+    def __init__(self, module: torch.nn.Module, gathered: dict, policy: MixedPrecision | None, reshard: bool,
+                 kept: tuple[str, ...] = ()):
         self.enabled = False
         """Set by the runner for its eager calls only."""
         self.local_compute = False
@@ -107,8 +111,8 @@ class FullyShardedGroups:
         self.members = {**self.names, "": [name for name in self.params if name not in self.grouped]}
         """Group → its parameters; "" the root."""
         self.gathers: dict[str, GroupGather] = {}
-        self.reshard = reshard
-        self.gather(gathered, reshard)
+        self.reshard, self.kept = reshard, frozenset(kept)
+        self.gather(gathered, reshard, kept)
         self._order = list(self.names)
         """The order the groups ran in during the last call (prefetch: the group after the current one)."""
         self._seen: list[str] = []
@@ -118,10 +122,16 @@ class FullyShardedGroups:
             layer = module.get_submodule(group)
             wrap_inside_checkpoint(layer, lambda forward, l=layer, g=group: self._wrap(forward, l, g))
 
-    def gather(self, gathered: dict, reshard: bool) -> None:
+    def gather(self, gathered: dict, reshard: bool, kept: tuple[str, ...] = ()) -> None:
         """Gather, from the next call on, the parameters of ``gathered`` (name → compute placements); each group
-        around its own forward and backward when ``reshard``."""
-        self.reshard = reshard
+        around its own forward and backward when ``reshard``, but the groups ``kept`` (``Plan.kept_gathered``)
+        with the root, for the whole call."""
+        unknown = sorted(set(kept) - set(self.names))
+        if unknown:
+            raise AutoparError(f"the plan keeps the groups {unknown} gathered (Plan.kept_gathered), but this model's "
+                               f"fully-sharded groups are {list(self.names)}; expected names among them: plan again "
+                               "for this model, or edit kept_gathered.")
+        self.reshard, self.kept = reshard, frozenset(kept)
         self.gathers = {group: GroupGather({n: self.params[n] for n in names},
                                            {n: gathered[n] for n in names if n in gathered}, self.policy)
                         for group, names in self.members.items()}
@@ -141,10 +151,11 @@ class FullyShardedGroups:
 
     def whole_parameters(self) -> dict:
         """Name → tensor, for the runner's call: the root's parameters (cast, gathered by one all_gather per
-        flat group), and every group's when groups do not reshard; plain local tensors under
+        flat group), and every group's when groups do not reshard, else the kept groups' (``Plan.kept_gathered``),
+        in the groups' order on every rank (each gather is a collective); plain local tensors under
         ``local_compute``."""
         computed = {}
-        for group in ("",) if self.reshard else tuple(self.gathers):
+        for group in (g for g in self.gathers if not self.reshard or g == "" or g in self.kept):
             wholes, gathered = self.gathers[group].compute()
             computed.update(_local(wholes, gathered) if self.local_compute else wholes)
         return computed
@@ -154,7 +165,7 @@ class FullyShardedGroups:
         prefix = f"{group}."
 
         def run(*args, **kwargs):
-            if not (self.enabled and self.reshard):
+            if not (self.enabled and self.reshard) or group in self.kept:
                 return forward(*args, **kwargs)
             recompute = _compat.in_backward()
             with _compat.outside_selective_checkpoint():  # gathered in the forward or prefetched: not replayed
@@ -175,8 +186,9 @@ class FullyShardedGroups:
 
     def _prefetch_after(self, group: str) -> None:
         """Issue the all_gather of the group that ran after ``group`` in the last call."""
-        index = self._order.index(group) + 1 if group in self._order else len(self._order)
-        upcoming = self._order[index] if index < len(self._order) else None
+        order = [one for one in self._order if one not in self.kept]  # kept groups are gathered for the call
+        index = order.index(group) + 1 if group in order else len(order)
+        upcoming = order[index] if index < len(order) else None
         if upcoming is not None and upcoming not in self._prefetched:
             self._prefetched[upcoming] = self.gathers[upcoming].start()
 

@@ -119,10 +119,10 @@ class ShardedRunner:
     def _set_groups(self) -> None:
         """The groups that gather the parameters ``self.gathered`` gathers, in eager calls."""
         if self.groups is not None:
-            self.groups.gather(self.gathered, self.plan.reshard_after_forward)
+            self.groups.gather(self.gathered, self.plan.reshard_after_forward, self.plan.kept_gathered)
         elif self.gathered:
             self.groups = FullyShardedGroups(self.module, self.gathered, self.mixed_precision,
-                                             self.plan.reshard_after_forward)
+                                             self.plan.reshard_after_forward, self.plan.kept_gathered)
         if self.groups is not None:
             self.groups.local_compute = self.plan.local_compute
 

@@ -38,6 +38,10 @@ class Estimate:
     layers: dict = field(default_factory=dict)
     """Repeated layer ``(family, index)`` → ``LayerActivations`` of one instance, in forward order
     (``add_layer_activations``)."""
+    kept_gathers: dict = field(default_factory=dict)
+    """Graph mode's program: forward parameter gather (``param_gathers.gather_key``) → local bytes of what it
+    gathers, for the gathers of parameters backward reads (``pricing.read_by_backward``) and that are not made
+    again for backward: the partitioner saves them from forward to backward."""
 
     def weight(self, node: fx.Node) -> int:
         return self.weights.get(node, 1)
@@ -114,18 +118,25 @@ def _moved_value(node: fx.Node, arg_index: int) -> fx.Node:
 
 
 def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
-                        axis_names, once_per_value: bool = False, reshard_after_forward: bool = True) -> None:
+                        axis_names, once_per_value: bool = False, reshard_after_forward: bool = True,
+                        kept: frozenset = frozenset()) -> None:
     """The collectives of every redistribution; ``once_per_value``: a value moved to one layout is moved once
     for all its consumers (graph mode's program), else once per consumer (DTensor in eager mode); there a view of
     a parameter is gathered as its parameter (``strategies.param_gathers``): once per step, or once per phase
-    with ``reshard_after_forward``."""
+    with ``reshard_after_forward`` unless the parameter (node) is in ``kept`` (``Plan.kept_gathered``)."""
     by_name = {node.name: node for node in program.graph.graph.nodes}
     done = set()
     for redistribution in sharding.redistributions:
         node = by_name[redistribution.node]
         key = (_moved_value(node, redistribution.arg_index), tuple(redistribution.target))
         if once_per_value:
-            key = _gather_key(program, sharding, redistribution, key[0], reshard_after_forward) or key
+            gather = _gather_key(program, sharding, redistribution, key[0], reshard_after_forward, kept)
+            key = gather or key
+            resharded = reshard_after_forward and gather is not None and gather[0] not in kept
+            if gather is not None and not (redistribution.backward or resharded or key in done) \
+                    and pricing.read_by_backward(program, gather[0]):
+                estimate.kept_gathers[key] = (redistribution.global_nbytes * estimate.weight(node)
+                                              // cost.shard_factor(tuple(redistribution.target)))
         if once_per_value and key in done:
             continue
         done.add(key)
@@ -138,7 +149,7 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
 
 
 def _gather_key(program: CapturedProgram, sharding: Sharding, redistribution, moved: fx.Node,
-                reshard_after_forward: bool) -> tuple | None:
+                reshard_after_forward: bool, kept: frozenset) -> tuple | None:
     """The key graph mode's program gathers ``moved`` under when it is a view of a parameter (its parameter's
     gather, ``param_gathers.gather_key``); None for any other move."""
     params = set(program.param_nodes.values())
@@ -148,7 +159,7 @@ def _gather_key(program: CapturedProgram, sharding: Sharding, redistribution, mo
         tuple(redistribution.source), tuple(redistribution.target), tuple(layout))
     if wanted is None:
         return None
-    return param_gathers.gather_key(root, wanted, redistribution.backward, reshard_after_forward)
+    return param_gathers.gather_key(root, wanted, redistribution.backward, reshard_after_forward and root not in kept)
 
 
 def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, buckets: list[list[str]],
@@ -212,6 +223,8 @@ def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding,
     saved = sum(local(node) for node in pricing.saved_for_backward(program))
     estimate.memory = {"parameters": params + buffers, "gradients": params,
                        "optimizer": ADAM_STATE_PER_PARAM * params, "activations": saved}
+    if estimate.kept_gathers:  # graph mode: parameters gathered in forward and kept for backward
+        estimate.memory["gathered_parameters"] = sum(estimate.kept_gathers.values())
     add_layer_activations(estimate, program, sharding, cost)
 
 

@@ -17,12 +17,10 @@ import operator
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
 
 from torch_autopar.capture import CapturedProgram
 from torch_autopar.capture.layers import reshard_groups
 from torch_autopar.cost import pricing
-from torch_autopar.cost.ops import is_free
 from torch_autopar.search import estimate as est
 from torch_autopar.search import module_layouts as modules
 from torch_autopar.search import recompute
@@ -127,7 +125,7 @@ class Executing:
         flats = self._flat_gathers(program.params, params, computed)
         in_flat = {name for flat in flats for name in flat.names}
         again = {name for names in regathered.values() for name in names
-                 if read_by_backward(program, program.param_nodes[name])}
+                 if pricing.read_by_backward(program, program.param_nodes[name])}
         for name, node in program.param_nodes.items():  # the gathers of the forward, once per step
             if name in in_flat:
                 continue
@@ -157,7 +155,7 @@ class Executing:
         real = self._real_params
         result = self._plan(plan.strategy, sharding, params, bucket_cap_bytes=0, as_searched=False,
                             flat_grads=self._flat_gathers(real(program.params), real(params), real(computed)))
-        result.reshard_after_forward = plan.reshard_after_forward
+        result.reshard_after_forward, result.kept_gathered = plan.reshard_after_forward, plan.kept_gathered
         self._storage_memory(result, params, computed, regathered, flats)
         result.local_compute = local and all(
             tuple(sharding.returned.get(o, sharding.specs.get(o)).placements) == arrival
@@ -271,18 +269,20 @@ class Executing:
 
     def _regathered(self, plan: Plan, storage: dict, computed: dict) -> dict[str, list[str]]:
         """Group → its gathered parameters, for the groups eager mode frees after forward and gathers again for
-        backward (``runtime.fsdp``; groups of ``capture.layers.reshard_groups``); empty when the plan keeps them."""
+        backward (``runtime.fsdp``; groups of ``capture.layers.reshard_groups``, less ``Plan.kept_gathered``);
+        empty when the plan keeps them all."""
         if not plan.reshard_after_forward or self.mode == "graph":
             return {}
         groups = {group: [n for n in names if computed[n] != storage[n]]
-                  for group, names in reshard_groups(storage).items()}
+                  for group, names in reshard_groups(storage).items() if group not in plan.kept_gathered}
         return {group: names for group, names in groups.items() if names}
 
     def _storage_memory(self, plan: Plan, storage: dict, computed: dict, regathered: dict, flats: list) -> None:
         """Parameters, gradients and optimizer state are held in the storage layout. Gathered parameters: kept
         all (by autograd, for backward) they die as the gradients appear, so together the two never exceed the
         larger; of ``regathered`` groups one is whole at a time and the next one's gather is in flight (the
-        prefetch), next to the root's and the gradients done so far. Gradients in flight: the flat buffer a group's
+        prefetch), next to the root's and the kept groups' and the gradients done so far, which is never more than
+        keeping every group. Gradients in flight: the flat buffer a group's
         gradients are copied into as they are made, and the collective's copy of it as it is reduce-scattered
         (one parameter's whole gradient, outside flat groups)."""
         local = lambda name, placements: self.program.params[name].nbytes // self.cost.shard_factor(placements)  # noqa: E731
@@ -296,11 +296,12 @@ class Executing:
         in_flat = {name for flat in flats for name in flat.names}
         in_flight = max([whole([n], self.reduce_dtype) for n in grouped - in_flat]
                         + [2 * whole(flat.names, self.reduce_dtype) for flat in flats], default=0)
-        if regathered:
+        kept_all = max(whole(gathered) - held, 0)
+        if regathered:  # never more than keeping every group gathered
             largest = sorted(map(whole, regathered.values()))[-2:]
-            kept = whole(n for n in gathered if n not in grouped) + sum(largest)
+            kept = min(whole(n for n in gathered if n not in grouped) + sum(largest), kept_all)
         else:
-            kept = max(whole(gathered) - held, 0)
+            kept = kept_all
         buffers = plan.memory_breakdown.get("parameters", 0) - sum(local(n, computed[n]) for n in storage)
         plan.memory_breakdown = {"parameters": held + max(buffers, 0), "gathered_parameters": kept,
                                  "gradients": held, "gradients_in_flight": in_flight,
@@ -337,20 +338,6 @@ def _off_plan_ops(program: CapturedProgram, planned: dict, ran: dict) -> list[st
                 and is_one_tensor_layout(plan_layout.output) and plan_layout.output != ran_layout.output:
             off.append(f"{node.name}: {','.join(ran_layout.output)} instead of {','.join(plan_layout.output)}")
     return off
-
-
-def read_by_backward(program: CapturedProgram, param: fx.Node) -> bool:
-    """Whether backward reads parameter ``param``'s value (itself, a view or its cast for mixed precision): then
-    autograd keeps the gathered copy, and a group that frees it after forward gathers it again for backward (a
-    weight whose input needs no gradient, a bias, is not read: ``runtime.fsdp`` does not gather those again)."""
-    pending = [param]
-    while pending:
-        for user in pending.pop().users:
-            if program.is_backward(user):
-                return True
-            if user.op == "call_function" and (is_free(user) or user.target in pricing.CASTS):
-                pending.append(user)
-    return False
 
 
 def _priced_here(plan: Plan) -> dict:

@@ -10,10 +10,19 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from torch_autopar.capture.layers import reshard_groups
 from torch_autopar.errors import AutoparError
 from torch_autopar.search.plan_check import check_fields, check_shard_dims, check_values
 
 PLAN_FORMAT_VERSION = 1
+
+
+def params_of_groups(groups, names) -> frozenset[str]:
+    """Of the parameter ``names``, those of ``groups`` (``capture.layers.reshard_groups``): which parameters
+    ``Plan.kept_gathered`` keeps, for the planner's graph-mode pricing and graph mode's program (eager mode's
+    groups are ``runtime.fsdp``'s, by the same ``reshard_groups``)."""
+    members = reshard_groups(list(names))
+    return frozenset(name for group in groups for name in members.get(group, ()))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,7 +154,13 @@ class Plan:
     """Fully-sharded parameters (sharded over a batch axis) are gathered per group (each layer of a ModuleList;
     ``capture.layers.reshard_groups``) around its forward and again for its backward, instead of once per step
     and kept until backward (False, FSDP2's ``reshard_after_forward=False``). Graph mode's program gathers each
-    parameter once for forward and, when set, again for backward (``rewrite.reshard``)."""
+    parameter once for forward and, when set, again for backward (``rewrite.reshard``), except those of the
+    groups ``kept_gathered``."""
+    kept_gathered: tuple[str, ...] = ()
+    """Groups (``capture.layers.reshard_groups``: "blocks.7") kept gathered from their forward to their backward
+    although ``reshard_after_forward`` is set: ``reshard_after_forward="auto"`` keeps the last groups of the
+    forward that the memory budget allows (``search.reshard_choice``). Their parameters are gathered once per
+    step, as with ``reshard_after_forward=False``; every other group reshards."""
     node_layouts: dict[str, NodeLayout] = field(default_factory=dict)
     """Every node of the captured joint graph (by name) → its layout: what graph mode's per-rank program runs
     (empty for a plan made from the parameter list alone)."""
@@ -170,6 +185,11 @@ class Plan:
     Priced in ``peak_memory`` and ``estimated_step_time`` (``search.recompute``)."""
     layer_activations: dict[str, LayerActivations] = field(default_factory=dict)
     """Repeated layer (module path) → what recomputing it frees and costs, in forward order."""
+
+    def kept_gathered_params(self, names) -> frozenset[str]:
+        """Of the parameter ``names``, those of the groups ``kept_gathered`` (gathered once per step although the
+        plan reshards after forward)."""
+        return params_of_groups(self.kept_gathered, names)
 
     def stage_of(self, layer: str) -> int:
         """The pipeline stage that runs module ``layer`` (0 when not pipelined)."""
@@ -264,6 +284,7 @@ class Plan:
         data["node_layouts"] = {name: NodeLayout(output=_tuples(layout["output"]), inputs=_tuples(layout["inputs"]))
                                 for name, layout in data.get("node_layouts", {}).items()}
         data["param_compute_placements"] = {k: tuple(v) for k, v in data.get("param_compute_placements", {}).items()}
+        data["kept_gathered"] = tuple(data.get("kept_gathered", ()))
         data["module_layouts"] = {path: ModuleLayout(inputs=_tuples(layout["inputs"]), outputs=_tuples(layout["outputs"]))
                                   for path, layout in data.get("module_layouts", {}).items()}
         data["layer_activations"] = {path: LayerActivations(**row)

@@ -49,6 +49,9 @@ def check_values(data: dict) -> None:
             _bad(table, data[table], "an object of name → placements")
         for name, placements in data[table].items():
             _check_placements(f"{table}[{name!r}]", placements, len(mesh))
+    kept = data.get("kept_gathered", [])
+    if not isinstance(kept, (list, tuple)) or not all(isinstance(group, str) for group in kept):
+        _bad("kept_gathered", kept, 'a list of group names such as ["blocks.7"]')
 
 
 def _check_placements(where: str, placements, axes: int) -> None:

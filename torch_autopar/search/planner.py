@@ -35,7 +35,7 @@ from torch_autopar.search import module_layouts as modules
 from torch_autopar.search.layouts import node_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
 from torch_autopar.search import recompute, reshard_choice
-from torch_autopar.search.plan import Plan
+from torch_autopar.search.plan import Plan, params_of_groups
 from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build_problem
 from torch_autopar.search.role_seeds import gathered_at_use, role_seeds
 from torch_autopar.search.solution import to_sharding
@@ -86,7 +86,8 @@ class Planner(Executing):
                  global_batch: int | None = None, solver: str = "auto", time_limit_s: float = 60.0,
                  folding=None, mode: str = "eager", param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, full_batch: bool = False,
-                 reshard_after_forward: bool = True, activation_checkpointing=None, recompute_candidates=None):
+                 reshard_after_forward: bool = True, kept_gathered: tuple[str, ...] = (), activation_checkpointing=None,
+                 recompute_candidates=None):
         self.program, self.mesh, self.axis_names = program, mesh, tuple(axis_names)
         self.full_batch = full_batch
         """Every rank passes the whole batch: inputs arrive and outputs leave replicated (``strategies.boundary``)."""
@@ -106,7 +107,9 @@ class Planner(Executing):
         """Mixed precision (runtime.precision): the dtype parameters are gathered in and gradients reduced in
         (None: their own). Compute and activations are priced from the captured graph, which computes in it."""
         self.reshard_after_forward = reshard_after_forward
-        """Plans made here gather fully-sharded parameters per group around forward and backward (``Plan``)."""
+        """Plans made here gather fully-sharded parameters per group around forward and backward (``Plan``)..."""
+        self.kept_gathered = tuple(kept_gathered)
+        """... except the groups kept gathered from forward to backward (``Plan.kept_gathered``)."""
         self.activation_checkpointing = activation_checkpointing
         """The recompute policy (``search.recompute.POLICIES``, or a choice: module path → "full" | "selective")
         each candidate plan is given after its layouts."""
@@ -335,7 +338,8 @@ class Planner(Executing):
         else:
             est.add_compute(estimate, program, sharding, self.cost)
         est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names,
-                                once_per_value=self.mode == "graph", reshard_after_forward=self.reshard_after_forward)
+                                once_per_value=self.mode == "graph", reshard_after_forward=self.reshard_after_forward,
+                                kept=self._kept_param_nodes())
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
                           lambda name: program.grad_nodes.get(fold.captured_name(name)), infos, self.reduce_dtype,
                           placements, self.axis_names, flat_nbytes)
@@ -360,10 +364,16 @@ class Planner(Executing):
             node_layouts=layouts, module_layouts={} if local_compute else modules.module_layouts(program, layouts),
             param_compute_placements={} if local_compute else self._real_params(modules.compute_layouts(program, layouts)),
             full_batch=self.full_batch, reshard_after_forward=self.reshard_after_forward,
+            kept_gathered=self.kept_gathered,
             layer_activations={path: row for key, row in estimate.layers.items() for path in self._real_layers(*key)},
         )
         self._optimizer_dispatch(plan, len(infos), local_compute)
         return plan
+
+    def _kept_param_nodes(self) -> frozenset:
+        """The parameter nodes of the groups kept gathered (``Plan.kept_gathered_params``)."""
+        names = params_of_groups(self.kept_gathered, self.program.param_nodes)
+        return frozenset(self.program.param_nodes[name] for name in names)
 
     def _optimizer_dispatch(self, plan: Plan, tensors: int, local_compute: bool) -> None:
         """The sharded runtime keeps parameters as DTensors (data parallelism keeps plain tensors), so each kernel
@@ -491,18 +501,23 @@ def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strate
                recompute_candidates=None) -> Plan:
     """The best plan for ``program`` on ``mesh`` among the candidates ``strategy`` allows, with the layers
     ``activation_checkpointing`` recomputes (among ``recompute_candidates``, module paths; None: every repeated
-    layer captured); ``reshard_after_forward="auto"``: the better of both settings (``reshard_choice``)."""
+    layer captured); ``reshard_after_forward="auto"``: the fastest setting per group that fits (``reshard_choice``)."""
 
-    def planned(reshard: bool) -> Plan:
+    def planned(reshard: bool, kept: tuple = ()) -> Plan:
         planner = Planner(program, mesh, axis_names, hardware=hardware, memory_budget=memory_budget,
                           bucket_cap_bytes=bucket_cap_bytes, global_batch=global_batch, solver=solver,
                           folding=folding, mode=mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                          full_batch=full_batch, reshard_after_forward=reshard,
+                          full_batch=full_batch, reshard_after_forward=reshard, kept_gathered=kept,
                           activation_checkpointing=activation_checkpointing, recompute_candidates=recompute_candidates)
         return planner.plan(strategy, executable=executable)
 
     reshard_choice.check_reshard_after_forward(reshard_after_forward)
-    plan = reshard_choice.chosen(planned) if reshard_after_forward == "auto" else planned(reshard_after_forward)
+    if reshard_after_forward == "auto" and not executable:  # a folded capture: priced as searched, not as run
+        plan = reshard_choice.unchosen(planned(True))
+    elif reshard_after_forward == "auto":
+        plan = reshard_choice.chosen(planned, list(reshard_groups(program.params)))
+    else:
+        plan = planned(reshard_after_forward)
     if param_dtype is not None:
         plan.notes.append(f"mixed precision: compute and activations in {param_dtype}, gradient reductions in "
                           f"{reduce_dtype}, parameters and optimizer state in their own dtype")
