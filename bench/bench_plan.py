@@ -2,9 +2,10 @@
 
     python bench/bench_plan.py            # full: GPT-2-XL and LLaMA-3-8B shapes on h100 meshes 8, 2x4, 8x8,
                                           # plus search time per phase for LLaMA-3 8B on 8x16, 70B on 8x8x16 and
-                                          # 405B on 16x8x16 (16 sequences of 2,048 tokens)
+                                          # 405B on 16x8x16 (one sequence of 2,048 tokens per device)
     python bench/bench_plan.py --quick    # GPT-2-small shape only
     python bench/bench_plan.py --scale    # only the search times at scale, for auto and each named strategy
+    python bench/bench_plan.py --scale --sequences 16   # the same with 16 sequences per step on every mesh
 
 Estimated step time and peak memory per device come from torch_autopar's cost model (no devices are used).
 Prints a table and writes bench/results/plan.json.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -104,16 +106,19 @@ def check_auto(rows: list[dict]) -> list[str]:
     return problems
 
 
-def search_time(cases, strategies=("auto",)) -> list[dict]:
-    """Planning time per phase, estimated step time and memory per device for each (model, mesh, strategy)."""
+def search_time(cases, strategies=("auto",), sequences: str = "world") -> list[dict]:
+    """Planning time per phase, estimated step time and memory per device for each (model, mesh, strategy), on
+    ``sequences`` sequences per step ("world": one per device, a batch every named strategy can split)."""
     rows = []
     print(f"{'model':<12} {'mesh':<8} {'strategy':<16} {'total':>7} " + " ".join(f"{p[:-2][:10]:>10}" for p in PHASES)
           + f" {'other':>7} {'cpu':>7}  {'step':>10} {'memory':>10}  mode", flush=True)
     for name, mesh in cases:
         model, seq = _model(name)
-        tokens = torch.empty(16, seq, dtype=torch.long, device="meta")
+        batch = math.prod(mesh) if sequences == "world" else int(sequences)
+        tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
         for strategy in strategies:
-            row = _plan(model, tokens, mesh, strategy) | {"model": name, "mesh": "x".join(map(str, mesh))}
+            row = _plan(model, tokens, mesh, strategy) | {"model": name, "mesh": "x".join(map(str, mesh)),
+                                                          "sequences": batch}
             row["other_s"] = row["seconds"] - sum(row.get(phase) or 0.0 for phase in PHASES)
             rows.append(row)
             _print_time_row(row)
@@ -133,6 +138,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--scale", action="store_true", help="only the search times at scale, every strategy")
     parser.add_argument("--out", default=None, help="default: bench/results/plan.json (--scale: plan_scale.json)")
+    parser.add_argument("--sequences", default="world",
+                        help="sequences of 2,048 tokens per step at scale: 'world' (one per device) or a number")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.quick:
@@ -140,10 +147,10 @@ def main() -> None:
         times = []
     elif args.scale:
         rows = []
-        times = search_time(SCALE, ("auto", "fully_shard", "tensor_parallel", "fsdp_tp"))
+        times = search_time(SCALE, ("auto", "fully_shard", "tensor_parallel", "fsdp_tp"), args.sequences)
     else:
         rows = quality(["gpt2-xl", "llama3-8b"], [(8,), (2, 4), (8, 8)])
-        times = search_time(SCALE)
+        times = search_time(SCALE, sequences=args.sequences)
     args.out = args.out or os.path.join(os.path.dirname(__file__), "results", "plan_scale.json" if args.scale else "plan.json")
     problems = check_auto(rows + times)
     print("auto never worse than the best named strategy:", "yes" if not problems else problems)

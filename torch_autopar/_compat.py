@@ -19,7 +19,7 @@ from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.utils import flop_counter as _flop_counter
@@ -471,6 +471,59 @@ def op_strategies(op, args_schema: tuple, kwargs_schema: dict, mesh, output_meta
             allow_unbacked_sharding=info.allow_unbacked_sharding, allow_uneven_sharding=info.allow_uneven_sharding)
     func = propagator.op_strategy_funcs.get(op) if op not in _REPLICATED_FALLBACKS else None
     return func(schema) if func is not None else None
+
+
+def op_choice(op, args_schema: tuple, kwargs_schema: dict, mesh, output_meta, pinned: set[int],
+              output_on: dict | None = None):
+    """DTensor's choice of strategy for ``op`` on the specs ``args_schema`` (a ``DTensorSpec`` per tensor
+    argument), as ``propagate_sharding`` makes it (the cheapest by DTensor's redistribute cost) with two
+    differences: only strategies that take the positional arguments at ``pinned`` exactly as they come and whose
+    output has the placements ``output_on`` gives on its mesh axes, and a move out of a strided shard priced
+    (``_move_cost``; DTensor prices none, so it picks among such inputs' strategies blindly, replicating every
+    axis). Returns (the spec each argument must be moved to, aligned with
+    ``args_schema``: None where it is not a tensor; the output spec), or None when ``op`` has no strategy
+    function or no strategy keeps to both restrictions."""
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    tensors = [i for i, a in enumerate(args_schema) if isinstance(a, DTensorSpec)]
+    as_strategy = tuple(OpStrategy([OpSpec(a)]) if isinstance(a, DTensorSpec) else a for a in args_schema)
+    found = op_strategies(op, as_strategy, kwargs_schema, mesh, output_meta)
+    if not isinstance(found, OpStrategy):
+        return None
+    best, best_cost = None, (float("inf"), float("inf"))
+    for spec in found.strategies:
+        wanted = list(spec.input_specs or ())
+        if len(wanted) < len(tensors):
+            continue
+        if any(tuple(wanted[k].placements) != tuple(args_schema[i].placements)
+               for k, i in enumerate(tensors) if i in pinned):
+            continue
+        output = spec.output_specs
+        if isinstance(output, DTensorSpec) and any(output.placements[a] != p for a, p in (output_on or {}).items()):
+            continue
+        costs = [_move_cost(ops_utils.redistribute_cost, args_schema[i], wanted[k]) for k, i in enumerate(tensors)]
+        cost = (sum(c == float("inf") for c in costs), sum(c for c in costs if c != float("inf")))
+        if cost < best_cost:
+            best, best_cost = spec, cost
+    if best is None:
+        return None
+    moved = [None] * len(args_schema)
+    for k, i in enumerate(tensors):
+        moved[i] = best.input_specs[k]
+    return moved, best.output_specs
+
+
+def _move_cost(redistribute_cost, current: DTensorSpec, target: DTensorSpec) -> float:
+    """DTensor's cost of moving ``current`` to ``target``; it prices no move out of a strided shard (a dim split
+    inside a flattened one, such as a sequence split seen through a ``(batch * seq, dim)`` view): such a move is
+    priced as the plain shard's of the same dim, which moves as many bytes."""
+    cost = redistribute_cost(current, target)
+    if cost != float("inf"):
+        return cost
+    plain = lambda spec: DTensorSpec(spec.mesh, tuple(  # noqa: E731
+        Shard(p.dim) if type(p).__name__ == "_StridedShard" else p for p in spec.placements), spec.tensor_meta)
+    return redistribute_cost(plain(current), plain(target))
 
 
 @contextlib.contextmanager

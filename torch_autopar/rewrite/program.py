@@ -39,7 +39,7 @@ from torch_autopar.capture.program import _CapturableOutputs, fake_global_inputs
 from torch_autopar.errors import AutoparError
 from torch_autopar.rewrite import placement, reshard
 from torch_autopar.rewrite.grad_buckets import GradBuckets
-from torch_autopar.search.plan import Plan
+from torch_autopar.search.plan import Plan, params_of_groups
 from torch_autopar.strategies import boundary, param_gathers
 from torch_autopar.strategies.placements import format_placements, parse_placements
 
@@ -333,7 +333,7 @@ class ShardedProgram:
             self.graph, self.report = _rewrite(joint.graph_module, plan, mesh,
                                                placement.batch_size(fake_args, fake_kwargs), reduce_dtype)
             if plan.reshard_after_forward:  # gathered parameters freed after forward, gathered again for backward
-                kept = plan.kept_gathered_params(joint.params_spec)  # but those of the groups kept gathered
+                kept = params_of_groups(plan.kept_gathered, joint.params_spec)  # but those of the groups kept gathered
                 self.report.regathered = reshard.recompute_parameter_gathers(
                     self.graph, lambda node: _Rewriter._is_param(node)
                     and _compat.param_target(node.meta["desc"]) not in kept)

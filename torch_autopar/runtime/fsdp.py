@@ -111,12 +111,13 @@ class FullyShardedGroups:
         self.members = {**self.names, "": [name for name in self.params if name not in self.grouped]}
         """Group → its parameters; "" the root."""
         self.gathers: dict[str, GroupGather] = {}
-        self.reshard, self.kept = reshard, frozenset(kept)
         self.gather(gathered, reshard, kept)
         self._order = list(self.names)
         """The order the groups ran in during the last call (prefetch: the group after the current one)."""
         self._seen: list[str] = []
         self._prefetched: dict[str, list] = {}
+        self._kept_computed: dict[str, tuple] = {}
+        """Kept group → (the tensors its forward computes with, their ``Gathered``), for this call (``_kept``)."""
         self._previous: tuple = ()
         for group in self.names:
             layer = module.get_submodule(group)
@@ -146,6 +147,7 @@ class FullyShardedGroups:
             if self._seen:
                 self._order = self._seen
             prefetched, self._prefetched = self._prefetched, {}
+            self._kept_computed = {}
             for group, started in prefetched.items():
                 self.gathers[group].drop(started)
 
@@ -153,9 +155,18 @@ class FullyShardedGroups:
         """Name → tensor, for the runner's call: the root's parameters (cast, gathered by one all_gather per
         flat group), and every group's when groups do not reshard, else the kept groups' (``Plan.kept_gathered``),
         in the groups' order on every rank (each gather is a collective); plain local tensors under
-        ``local_compute``."""
-        computed = {}
+        ``local_compute``. A kept group other than the root only has its all_gather run here: its forward takes
+        the result (``_kept``), so that the nodes autograd runs its gradients through (the gather's,
+        ``local_view``'s) are made with the group's forward. Made here, before every layer's forward, they would
+        be the oldest nodes of the graph, which autograd's ready queue (latest node first) runs only once nothing
+        else is ready: at the end of backward, every kept group's whole gradients held until then instead of
+        copied into its flat buffer and freed as each is made."""
+        computed, self._kept_computed = {}, {}
         for group in (g for g in self.gathers if not self.reshard or g == "" or g in self.kept):
+            if group:  # gathered now, in order on every rank, each waited for (in flight, gloo holds a copy of
+                gather = self.gathers[group]  # its output); copied out, autograd's node made, by its forward
+                self._prefetched[group] = [flat.settled(one) for flat, one in zip(gather.flats, gather.start())]
+                continue
             wholes, gathered = self.gathers[group].compute()
             computed.update(_local(wholes, gathered) if self.local_compute else wholes)
         return computed
@@ -165,7 +176,9 @@ class FullyShardedGroups:
         prefix = f"{group}."
 
         def run(*args, **kwargs):
-            if not (self.enabled and self.reshard) or group in self.kept:
+            if self.enabled and (not self.reshard or group in self.kept):
+                return self._kept(forward, layer, group, args, kwargs)
+            if not self.enabled:
                 return forward(*args, **kwargs)
             recompute = _compat.in_backward()
             with _compat.outside_selective_checkpoint():  # gathered in the forward or prefetched: not replayed
@@ -184,6 +197,27 @@ class FullyShardedGroups:
 
         return run
 
+    def _kept(self, forward, layer: torch.nn.Module, group: str, args: tuple, kwargs: dict):
+        """``forward`` of a group kept gathered for the call, on the whole parameters of the gather
+        ``whole_parameters`` issued for it (taken at its first forward, kept for the call's later ones); not
+        freed after forward, but once its reduce-scatter has run (as FSDP2 reshards after backward; refilled by a
+        second backward, as a resharded group is). Outside a call's forward (a recompute in backward), ``forward``
+        as it is."""
+        prefix = f"{group}."
+        if group not in self._kept_computed:
+            started = self._prefetched.pop(group, None)
+            if started is None:
+                return forward(*args, **kwargs)
+            with _compat.outside_selective_checkpoint():
+                computed, gathered = self.gathers[group].compute(started)
+            self._kept_computed[group] = (_local(computed, gathered) if self.local_compute else computed, gathered)
+        computed, gathered = self._kept_computed[group]
+        with _compat.reparametrized(layer, {n[len(prefix):]: t for n, t in computed.items()}):
+            output = forward(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return output
+        return self._reshard(output, gathered, now=False)
+
     def _prefetch_after(self, group: str) -> None:
         """Issue the all_gather of the group that ran after ``group`` in the last call."""
         order = [one for one in self._order if one not in self.kept]  # kept groups are gathered for the call
@@ -192,16 +226,18 @@ class FullyShardedGroups:
         if upcoming is not None and upcoming not in self._prefetched:
             self._prefetched[upcoming] = self.gathers[upcoming].start()
 
-    def _reshard(self, output, gathered: list):
-        """``output`` routed through the refill of ``gathered``, whose storage is freed now (and again once the
-        group's reduce-scatter has run); ``output`` as it is when no gradient can come back through it."""
+    def _reshard(self, output, gathered: list, now: bool = True):
+        """``output`` routed through the refill of ``gathered``, whose storage is freed now (unless not ``now``: a
+        kept group) and once the group's reduce-scatter has run; ``output`` as it is when no gradient can come back
+        through it."""
         leaves, spec = pytree.tree_flatten(output)
         carrying = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if not carrying or not gathered:
             return output
         for one in gathered:
             one.after_reduce = one.free
-            one.free()
+            if now:
+                one.free()
         routed = _RegatherBeforeBackward.apply(tuple(gathered), self._previous, *(leaves[i] for i in carrying))
         self._previous = tuple(gathered)
         for i, leaf in zip(carrying, routed):

@@ -186,11 +186,6 @@ class Plan:
     layer_activations: dict[str, LayerActivations] = field(default_factory=dict)
     """Repeated layer (module path) → what recomputing it frees and costs, in forward order."""
 
-    def kept_gathered_params(self, names) -> frozenset[str]:
-        """Of the parameter ``names``, those of the groups ``kept_gathered`` (gathered once per step although the
-        plan reshards after forward)."""
-        return params_of_groups(self.kept_gathered, names)
-
     def stage_of(self, layer: str) -> int:
         """The pipeline stage that runs module ``layer`` (0 when not pipelined)."""
         return next((row.index for row in self.stages if layer in row.layers), 0)

@@ -37,13 +37,13 @@ from torch_autopar.search.milp import Solver
 from torch_autopar.search import recompute, reshard_choice
 from torch_autopar.search.plan import Plan, params_of_groups
 from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build_problem
-from torch_autopar.search.role_seeds import gathered_at_use, role_seeds
+from torch_autopar.search.role_seeds import gathered_at_use, role_seeds, split_matrices, split_matrix_grads
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Sharding, format_placements, propagate, seed_placements
 from torch_autopar.strategies.boundary import flat_reduced
 from torch_autopar.strategies.enumerate import StrategySpace, enumerate_strategies
 from torch_autopar.strategies.placements import spec_for
-from torch_autopar.strategies.roles import axis_roles, gathered_uses, leaf_filter
+from torch_autopar.strategies.roles import axis_roles, check_batch_split, gathered_uses, leaf_filter
 
 STRATEGIES = ("auto", "data_parallel", "stand_alone", "fully_shard", "tensor_parallel", "fsdp_tp")
 """Names accepted as ``strategy=``; a ``Plan`` object is accepted too."""
@@ -110,6 +110,9 @@ class Planner(Executing):
         """Plans made here gather fully-sharded parameters per group around forward and backward (``Plan``)..."""
         self.kept_gathered = tuple(kept_gathered)
         """... except the groups kept gathered from forward to backward (``Plan.kept_gathered``)."""
+        self._kept_params = frozenset(self.program.param_nodes[name] for name in
+                                      params_of_groups(self.kept_gathered, self.program.param_nodes))
+        """Their parameter nodes (``search.plan.params_of_groups``)."""
         self.activation_checkpointing = activation_checkpointing
         """The recompute policy (``search.recompute.POLICIES``, or a choice: module path → "full" | "selective")
         each candidate plan is given after its layouts."""
@@ -118,6 +121,7 @@ class Planner(Executing):
 
     # one candidate ----------------------------------------------------------------------------------------------
     def propagated(self, strategy: str) -> Plan:
+        self._check_batch(strategy)
         seeds = seed_placements(self.program, strategy, self.mesh.ndim)
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
         sharding = self._propagation(("seeds", strategy), seeds)
@@ -137,17 +141,29 @@ class Planner(Executing):
 
     def role_propagated(self, strategy: str) -> Plan:
         """Propagation from seeds that follow ``strategy``'s role on each mesh axis (``search.role_seeds``)."""
+        self._check_batch(strategy)
         roles = axis_roles(strategy, self.mesh.ndim)
         seeds = role_seeds(self.program, roles, tuple(self.mesh.shape))
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
         gathered = gathered_at_use(self.program, roles, seeds)
-        return self._plan(strategy, self._propagation(("roles", strategy), seeds, gathered), params)
+        sharding = self._propagation(("roles", strategy), seeds, gathered, split_matrices(self.program, roles),
+                                     split_matrix_grads(self.program, roles))
+        return self._plan(strategy, sharding, params)
 
-    def _propagation(self, key: tuple, seeds: dict, gathered: dict | None = None) -> Sharding:
+    def _check_batch(self, strategy: str) -> None:
+        """A named strategy must split the batch into no more pieces than it has (``roles.check_batch_split``);
+        "auto" and "stand_alone" split only what they can."""
+        if strategy not in ("auto", "stand_alone") and self.mesh.size() > 1:
+            check_batch_split(strategy, axis_roles(strategy, self.mesh.ndim), tuple(self.mesh.shape),
+                              self.axis_names, self.global_batch)
+
+    def _propagation(self, key: tuple, seeds: dict, gathered: dict | None = None, pinned: frozenset = frozenset(),
+                     grad_outputs: dict | None = None) -> Sharding:
         """``propagate`` from ``seeds``, kept under ``key``: "auto" compares data parallelism and, in the fast
         mode, every named strategy's propagation again (seconds each on a 3-D mesh)."""
         if key not in self._propagations:
-            self._propagations[key] = propagate(self.program, self.mesh, seeds, gathered=gathered)
+            self._propagations[key] = propagate(self.program, self.mesh, seeds, gathered=gathered, pinned=pinned,
+                                                grad_outputs=grad_outputs)
         return self._propagations[key]
 
     def searched(self, strategy: str) -> Plan:
@@ -155,6 +171,12 @@ class Planner(Executing):
         "auto" solves unbounded, so auto's optimum is never slower (its own, smaller problem when that one is too
         large to solve exactly)."""
         return self.searched_many([strategy])[strategy]
+
+    def _propagated_or_none(self, strategy: str) -> Plan | None:
+        try:
+            return self.propagated(strategy)
+        except AutoparError:  # the batch is too small to split this way (_check_batch); other candidates may not be
+            return None
 
     def _searched_or_none(self, strategy: str) -> Plan | None:
         try:
@@ -213,6 +235,8 @@ class Planner(Executing):
 
     def searched_many(self, strategies: list[str], restriction=None) -> dict[str, Plan]:
         """Exact searches for several named strategies over one problem (restrictions bound leaf choices)."""
+        for name in strategies:
+            self._check_batch(name)
         if self.solver == "propagate":  # nothing to size: the problem is never built
             return {name: self._fast_mode(name, None) for name in strategies}
         built = self._problem(restriction)
@@ -294,7 +318,18 @@ class Planner(Executing):
             plan = self.role_propagated(strategy)
         else:
             names = ["data_parallel", "fully_shard", "tensor_parallel"] + (["fsdp_tp"] if self.mesh.ndim >= 2 else [])
-            plans = [self.propagated(n) if n == "data_parallel" else self.role_propagated(n) for n in names]
+            plans, errors = [], []
+            for name in names:
+                try:
+                    plans.append(self.propagated(name) if name == "data_parallel" else self.role_propagated(name))
+                except AutoparError as error:  # this batch is too small for the layout
+                    errors.append(str(error).removeprefix("torch_autopar: "))
+            if not plans:
+                raise AutoparError(
+                    f"auto: the unrestricted problem has more than {MAX_EXACT_EDGE_VARIABLES:,} edge variables (the "
+                    "exact limit), and no named layout it could propagate instead splits this batch: "
+                    + errors[0] + " Alternatively pass solver='milp' to solve the unrestricted problem exactly "
+                    "(slow at this size), or use a smaller mesh.")
             plan = min(plans, key=lambda p: (p.peak_memory > self.budget, p.estimated_step_time))
             plan.search_stats["candidate"] = plan.strategy
             plan.strategy = "auto"
@@ -339,7 +374,7 @@ class Planner(Executing):
             est.add_compute(estimate, program, sharding, self.cost)
         est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names,
                                 once_per_value=self.mode == "graph", reshard_after_forward=self.reshard_after_forward,
-                                kept=self._kept_param_nodes())
+                                kept=self._kept_params)
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
                           lambda name: program.grad_nodes.get(fold.captured_name(name)), infos, self.reduce_dtype,
                           placements, self.axis_names, flat_nbytes)
@@ -369,11 +404,6 @@ class Planner(Executing):
         )
         self._optimizer_dispatch(plan, len(infos), local_compute)
         return plan
-
-    def _kept_param_nodes(self) -> frozenset:
-        """The parameter nodes of the groups kept gathered (``Plan.kept_gathered_params``)."""
-        names = params_of_groups(self.kept_gathered, self.program.param_nodes)
-        return frozenset(self.program.param_nodes[name] for name in names)
 
     def _optimizer_dispatch(self, plan: Plan, tensors: int, local_compute: bool) -> None:
         """The sharded runtime keeps parameters as DTensors (data parallelism keeps plain tensors), so each kernel
@@ -431,7 +461,7 @@ class Planner(Executing):
             if name not in ("data_parallel", "auto") and not executable and self._dominates_restrictions(plans):
                 skipped.append(name)
                 continue
-            plan = self.propagated(name) if name == "data_parallel" else self._searched_or_none(name)
+            plan = self._propagated_or_none(name) if name == "data_parallel" else self._searched_or_none(name)
             if plan is not None:
                 plan = self._recompute(self.executed(plan) if executable else plan)
                 plan.search_stats["candidate"] = name
@@ -511,7 +541,6 @@ def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strate
                           activation_checkpointing=activation_checkpointing, recompute_candidates=recompute_candidates)
         return planner.plan(strategy, executable=executable)
 
-    reshard_choice.check_reshard_after_forward(reshard_after_forward)
     if reshard_after_forward == "auto" and not executable:  # a folded capture: priced as searched, not as run
         plan = reshard_choice.unchosen(planned(True))
     elif reshard_after_forward == "auto":

@@ -3,8 +3,8 @@ every mesh axis even when the exact search is out of reach.
 
 Per mesh axis (roles of ``strategies.roles``):
   dp    parameters replicated, user inputs split on dim 0
-  fsdp  parameters stored split on dim 0 (where it has at least the axis's size) and gathered (replicated) at
-        each use (``gathered_at_use``), user inputs split on dim 0
+  fsdp  parameters stored split on dim 0 (where it has at least the axis's size; dim 1 where a tp axis splits
+        dim 0) and gathered (replicated) at each use (``gathered_at_use``), user inputs split on dim 0
   tp    user inputs replicated, matrices split Megatron-style by the forward data flow (``megatron_splits``): a
         matrix multiplying an activation that is whole on the axis is column parallel (split along its output
         features: dim 0 of ``nn.Linear``'s weight, dim 1 of an (in, out) one such as GPT-2's ``Conv1D``), one
@@ -47,13 +47,26 @@ class MatrixSplit(NamedTuple):
     1 for an (in, out) weight multiplied as it is (``transformers``' ``Conv1D``: GPT-2), 0 for a bias."""
 
 
-def _param_placement(role: str, value: torch.Tensor, size: int, split: MatrixSplit | None):
+def _tp_dim(value: torch.Tensor, split: MatrixSplit | None) -> int | None:
+    """The dim a tp axis splits a parameter on (None: replicated there)."""
     column = split is not None and split.kind == "column"
-    if role == "dp" or value.ndim == 0 or role == "tp" and value.ndim == 1 and not column:
+    if value.ndim == 0 or value.ndim == 1 and not column:
+        return None
+    if split is not None and value.ndim == 2:
+        return split.output_dim if column else 1 - split.output_dim
+    return 0
+
+
+def _param_placement(role: str, value: torch.Tensor, size: int, tp_dim: int | None):
+    """On an fsdp axis the first dim that no tp axis splits (a matrix split by its output features on dim 0 is
+    stored split by its input features too: its gradient, computed split on dim 0, is then reduce-scattered on
+    dim 1 without regrouping the tp split)."""
+    if role == "dp" or value.ndim == 0 or role == "tp" and tp_dim is None:
         return Replicate()
-    dim = 0
-    if role == "tp" and split is not None and value.ndim == 2:
-        dim = split.output_dim if split.kind == "column" else 1 - split.output_dim
+    if role == "tp":
+        dim = tp_dim
+    else:
+        dim = 1 if tp_dim == 0 and value.ndim >= 2 else 0
     return Shard(dim) if value.shape[dim] >= size else Replicate()
 
 
@@ -68,8 +81,8 @@ def role_seeds(program: CapturedProgram, roles: tuple[str, ...], mesh_shape: tup
     seeds = {}
     for node in program.param_nodes.values():
         value = node.meta["val"]
-        seeds[node] = tuple(_param_placement(role, value, size, splits.get(node))
-                            for role, size in zip(roles, mesh_shape))
+        tp_dim = _tp_dim(value, splits.get(node)) if "tp" in roles else None
+        seeds[node] = tuple(_param_placement(role, value, size, tp_dim) for role, size in zip(roles, mesh_shape))
     seeds.update({node: tuple(Replicate() for _ in roles) for node in program.buffer_nodes.values()})
     for node in program.input_nodes.values():
         seeds[node] = tuple(_input_placement(role, node.meta.get("val")) for role in roles)
@@ -86,6 +99,45 @@ def gathered_at_use(program: CapturedProgram, roles: tuple[str, ...], seeds: dic
         if used != tuple(stored):
             gathered[node] = used
     return gathered
+
+
+def split_matrices(program: CapturedProgram, roles: tuple[str, ...]) -> frozenset:
+    """The nodes holding tensor parallelism's split matrices (``megatron_splits``) as ops take them: the parameters
+    and their views and casts, in forward and backward. Propagation keeps them as they are and moves the
+    activations instead (``propagate``'s ``pinned``): left to DTensor's cheapest move, a small matrix is gathered
+    whole where the activation arrives split along the sequence, which undoes the split on the tp axis and, at
+    attention, leaves layouts no rule shards on any axis. Empty without a tp axis."""
+    if "tp" not in roles:
+        return frozenset()
+    pinned = set(megatron_splits(program))
+    for node in program.graph.graph.nodes:
+        if node.op == "call_function" and node.target in _VIEWS and len(node.all_input_nodes) == 1 \
+                and node.all_input_nodes[0] in pinned:
+            pinned.add(node)
+    return frozenset(pinned)
+
+
+def split_matrix_grads(program: CapturedProgram, roles: tuple[str, ...]) -> dict[fx.Node, dict[int, Shard]]:
+    """The op computing the gradient of each of tensor parallelism's split matrices (before any view or cast) →
+    the placement its output must have on each tp axis: the matrix's own split, seen through the transposes
+    between that op and the gradient. Propagation computes them so (``propagate``'s ``grad_outputs``). Left to
+    DTensor's cheapest op, a weight gradient multiplies two activations split along the sequence into a partial
+    sum of the whole matrix, which the gradient sync then reduces whole."""
+    axes = [axis for axis, role in enumerate(roles) if role == "tp"]
+    if not axes:
+        return {}
+    splits, required = megatron_splits(program), {}
+    for name, param in program.param_nodes.items():
+        node, dim = program.grad_nodes.get(name), _tp_dim(param.meta["val"], splits.get(param))
+        if param not in splits or dim is None:
+            continue
+        while node is not None and node.op == "call_function" and node.target in _VIEWS \
+                and len(node.all_input_nodes) == 1:
+            dim = 1 - dim if node.target in _TRANSPOSES and node.meta["val"].ndim == 2 else dim
+            node = node.all_input_nodes[0]
+        if node is not None and node.op == "call_function":
+            required[node] = {axis: Shard(dim) for axis in axes}
+    return required
 
 
 def megatron_splits(program: CapturedProgram) -> dict[fx.Node, MatrixSplit]:

@@ -72,10 +72,20 @@ class Sharding:
 
 class _Propagator:
     def __init__(self, program: CapturedProgram, mesh: DeviceMesh, seeds: dict, pins: ModulePins | None = None,
-                 gathered: dict | None = None):
+                 gathered: dict | None = None, pinned: frozenset = frozenset(), grad_outputs: dict | None = None):
         self.program, self.mesh, self.seeds, self.pins = program, mesh, seeds, pins
         self.gathered = gathered or {}
         """Placeholder → the placements each of its uses moves it to (a fully-sharded parameter's gather)."""
+        self.pinned = pinned
+        """Nodes whose consumers take them in the layout they have: where DTensor's rule would move one, the
+        cheapest strategy that does not is chosen, and the other inputs move (tensor parallelism's matrices)."""
+        self.grad_outputs = grad_outputs or {}
+        """Node → {mesh axis: the placement its output must have there} (tensor parallelism's weight gradients,
+        computed split as their matrices are rather than summed over a split sequence and reduced whole)."""
+        self.choosing = bool(pinned or self.grad_outputs)
+        """Whether layouts are chosen here rather than as DTensor picks them at run time (the named strategies'
+        propagation at scale): then also a rule that fails replicates one axis, not all, and moves out of
+        strided shards are priced (``_compat.op_choice``)."""
         self.result = Sharding(specs={})
         self.output_node = program.graph.graph.find_nodes(op="output")[0]
         self.crossed: dict[tuple, object] = {}
@@ -162,16 +172,48 @@ class _Propagator:
             try:
                 return self._apply_rule(node, args, kwargs)
             except Exception:  # a rule that cannot handle these shapes: replicate, which is always correct
-                pass
+                spec = self._apply_rule_on_fewer_axes(node, args, kwargs) if self.choosing else None
+                if spec is not None:
+                    return spec
         return self._replicate(node, args)
+
+    def _apply_rule_on_fewer_axes(self, node: fx.Node, args, kwargs):
+        """The rule applied with every input replicated on one mesh axis, the last axis first (None when that
+        fails on each): a shape the rule cannot split on one axis (a view regrouping a dim split more ways than
+        a new dim has) need not replicate the batch split on the others. Only where propagation chooses layouts
+        of its own (``choosing``): at run time DTensor replicates such an op on every axis."""
+        for axis in reversed(range(self.mesh.ndim)):
+            replicated = lambda a: _replicated_on(a, axis)  # noqa: E731, B023
+            moved = fx.node.map_aggregate(args, replicated)
+            try:
+                spec = self._apply_rule(node, moved, fx.node.map_aggregate(kwargs, replicated))
+            except Exception:
+                continue
+            for index, (have, want) in enumerate(zip(args, moved)):
+                self._record(node, index, have, _placements_of(want))
+            return spec
+        return None
 
     def _apply_rule(self, node: fx.Node, args, kwargs):
         output = _compat.propagate_sharding(node.target, args, kwargs)
-        if output.needs_redistribute and output.redistribute_schema is not None:
-            wanted = output.redistribute_schema.args_schema
-            for index, (have, want) in enumerate(zip(args, wanted)):
-                self._record(node, index, have, getattr(want, "placements", None))
-        return self._respec(node, output.output_spec)
+        spec, required = output.output_spec, self.grad_outputs.get(node, {})
+        if (not output.needs_redistribute or output.redistribute_schema is None) and not (
+                isinstance(spec, _compat.DTensorSpec) and any(spec.placements[a] != p for a, p in required.items())):
+            return self._respec(node, spec)
+        wanted = output.redistribute_schema.args_schema if output.redistribute_schema is not None else args
+        pinned = {index for index, (arg, have, want) in enumerate(zip(node.args, args, wanted))
+                  if isinstance(arg, fx.Node) and arg in self.pinned and _placements_of(have) != _placements_of(want)}
+        strided = self.choosing and any(type(p).__name__ == "_StridedShard"
+                                        for a in args for p in (_placements_of(a) or ()))
+        value = node.meta.get("val")
+        if (pinned or strided or required) and isinstance(value, torch.Tensor):  # choose again (op_choice)
+            meta = _compat.TensorMeta(value.shape, value.stride(), value.dtype)
+            choice = _compat.op_choice(node.target, args, kwargs, self.mesh, meta, pinned, required)
+            if choice is not None:
+                wanted, spec = choice
+        for index, (have, want) in enumerate(zip(args, wanted)):
+            self._record(node, index, have, getattr(want, "placements", None))
+        return self._respec(node, spec)
 
     def _respec(self, node: fx.Node, rule_spec):
         """The rule's placements on this node's own shapes (a rule's tensor_meta may describe its input)."""
@@ -259,6 +301,19 @@ class _Follower(_Propagator):
         return _compat.DTensorSpec(self.mesh, target, spec.tensor_meta)
 
 
+def _replicated_on(spec, axis: int):
+    """``spec`` replicated on mesh ``axis`` (anything else as it is)."""
+    if not isinstance(spec, _compat.DTensorSpec) or isinstance(spec.placements[axis], Replicate):
+        return spec
+    placements = list(spec.placements)
+    placements[axis] = Replicate()
+    return _compat.DTensorSpec(spec.mesh, tuple(placements), spec.tensor_meta)
+
+
+def _placements_of(spec):
+    return tuple(spec.placements) if isinstance(spec, _compat.DTensorSpec) else None
+
+
 def _spec_nbytes(spec) -> int:
     meta = spec.tensor_meta
     return math.prod(meta.shape) * meta.dtype.itemsize if meta is not None else 0
@@ -284,10 +339,13 @@ def tangent_placements(output_placements) -> tuple:
 
 
 def propagate(program: CapturedProgram, mesh: DeviceMesh, seeds: dict, pins: ModulePins | None = None,
-              gathered: dict | None = None) -> Sharding:
+              gathered: dict | None = None, pinned: frozenset = frozenset(),
+              grad_outputs: dict | None = None) -> Sharding:
     """Placements for every node of ``program`` given ``seeds`` (node → placements per mesh axis), chosen as
     the sharded runtime's DTensor chooses them (``_compat.prefer_early_partial_reduction`` included), with
     values moved at the module boundaries ``pins`` forces (eager mode's hooks) and the placeholders of
-    ``gathered`` (node → placements) moved at each use (fully-sharded parameters stored split, used whole)."""
+    ``gathered`` (node → placements) moved at each use (fully-sharded parameters stored split, used whole), and
+    the ``pinned`` nodes taken by every op as they are (the others moved instead), and the nodes of
+    ``grad_outputs`` computed in the placements it gives them on its mesh axes."""
     _compat.prefer_early_partial_reduction()
-    return _Propagator(program, mesh, seeds, pins, gathered).run()
+    return _Propagator(program, mesh, seeds, pins, gathered, pinned, grad_outputs).run()

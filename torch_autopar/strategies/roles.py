@@ -11,6 +11,8 @@ Must never look at costs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
@@ -38,6 +40,25 @@ def axis_roles(strategy: str, mesh_ndim: int) -> tuple[str, ...]:
             raise AutoparError("strategy 'fsdp_tp' needs a mesh of at least 2 axes, e.g. mesh_shape=(8, 8).")
         return ("fsdp",) * (mesh_ndim - 1) + ("tp",)
     raise AutoparError(f"no axis roles for strategy {strategy!r}")
+
+
+def check_batch_split(strategy: str, roles: tuple[str, ...], mesh_shape: tuple[int, ...], axis_names,
+                      global_batch: int | None) -> None:
+    """Raise when ``roles`` split a batch of ``global_batch`` samples into more pieces than it has: devices would
+    hold no sample (or, where a rule then replicates the input, compute the whole batch each), a plan no one
+    wants. A batch at least that large divides unevenly where it must, as DTensor's shards do. The pieces: the
+    product of the sizes of the dp and fsdp axes."""
+    ways = math.prod(size for role, size in zip(roles, mesh_shape) if role in ("dp", "fsdp"))
+    if global_batch is None or global_batch >= ways:
+        return
+    axes = " x ".join(f"{name}={size}" for name, size, role in zip(axis_names, mesh_shape, roles)
+                      if role in ("dp", "fsdp"))
+    raise AutoparError(
+        f"strategy {strategy!r} splits the batch over the mesh axes {axes} ({ways} pieces), but the global batch "
+        f"has {global_batch} samples (dim 0 of the first input): {ways - global_batch} of the pieces would be empty. "
+        f"Expected a global batch of at least {ways}; use a larger batch, a mesh with fewer devices on those axes, "
+        "or a strategy that splits the batch over fewer axes (tensor_parallel, fsdp_tp, or auto, which can split "
+        "other dims).")
 
 
 def _allowed(role: str, kind: str, placement, value: torch.Tensor) -> bool:
