@@ -2,7 +2,8 @@
 
     python bench/bench_plan.py            # full: GPT-2-XL and LLaMA-3-8B shapes on h100 meshes 8, 2x4, 8x8,
                                           # plus search time per phase for LLaMA-3 8B on 8x16, 70B on 8x8x16 and
-                                          # 405B on 16x8x16 (one sequence of 2,048 tokens per device)
+                                          # 405B on 16x8x16 (one sequence of 2,048 tokens per device, bf16,
+                                          # every layer recomputed)
     python bench/bench_plan.py --quick    # GPT-2-small shape only
     python bench/bench_plan.py --scale    # only the search times at scale, for auto and each named strategy
     python bench/bench_plan.py --scale --sequences 16   # the same with 16 sequences per step on every mesh
@@ -50,11 +51,11 @@ def _model(name: str):
     raise ValueError(name)
 
 
-def _plan(model, tokens, mesh, strategy, hardware="h100", budget=None):
+def _plan(model, tokens, mesh, strategy, hardware="h100", budget=None, **training):
     started, cpu = time.perf_counter(), time.process_time()
     try:
         plan = autopar.plan(model, tokens, mesh_shape=mesh, hardware=hardware, strategy=strategy,
-                            memory_budget=budget)
+                            memory_budget=budget, **training)
     except AutoparError as error:
         return {"strategy": strategy, "error": str(error)[:200], "seconds": time.perf_counter() - started,
                 "cpu_s": time.process_time() - cpu}
@@ -106,9 +107,15 @@ def check_auto(rows: list[dict]) -> list[str]:
     return problems
 
 
+SCALE_TRAINING = {"mixed_precision": "bf16", "activation_checkpointing": "full"}
+"""How the scale cases train, as large models are trained (in fp32 without recomputation a 70B step's
+activations alone are ~200 GiB per device at one sequence each)."""
+
+
 def search_time(cases, strategies=("auto",), sequences: str = "world") -> list[dict]:
     """Planning time per phase, estimated step time and memory per device for each (model, mesh, strategy), on
-    ``sequences`` sequences per step ("world": one per device, a batch every named strategy can split)."""
+    ``sequences`` sequences per step ("world": one per device, a batch every named strategy can split), trained
+    as ``SCALE_TRAINING`` says."""
     rows = []
     print(f"{'model':<12} {'mesh':<8} {'strategy':<16} {'total':>7} " + " ".join(f"{p[:-2][:10]:>10}" for p in PHASES)
           + f" {'other':>7} {'cpu':>7}  {'step':>10} {'memory':>10}  mode", flush=True)
@@ -117,8 +124,8 @@ def search_time(cases, strategies=("auto",), sequences: str = "world") -> list[d
         batch = math.prod(mesh) if sequences == "world" else int(sequences)
         tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
         for strategy in strategies:
-            row = _plan(model, tokens, mesh, strategy) | {"model": name, "mesh": "x".join(map(str, mesh)),
-                                                          "sequences": batch}
+            row = _plan(model, tokens, mesh, strategy, **SCALE_TRAINING) | {
+                "model": name, "mesh": "x".join(map(str, mesh)), "sequences": batch}
             row["other_s"] = row["seconds"] - sum(row.get(phase) or 0.0 for phase in PHASES)
             rows.append(row)
             _print_time_row(row)
@@ -128,7 +135,7 @@ def search_time(cases, strategies=("auto",), sequences: str = "world") -> list[d
 def _print_time_row(row: dict) -> None:
     phases = " ".join(f"{row.get(phase) or 0.0:10.1f}" for phase in PHASES)
     result = (f"{row['step_s']:9.3f}s {row['peak_memory_gib']:6.1f} GiB  {row['mode']}"
-              + (f" (chose {row['candidate']})" if row.get("candidate") else "")) if "step_s" in row else row["error"][:60]
+              + (f" (chose {row['candidate']})" if row.get("candidate") else "")) if "step_s" in row else row["error"][15:135]
     print(f"{row['model']:<12} {row['mesh']:<8} {row['strategy']:<16} {row['seconds']:7.1f} {phases} "
           f"{row['other_s']:7.1f} {row.get('cpu_s', 0.0):7.1f}  {result}", flush=True)
 

@@ -482,7 +482,8 @@ def op_choice(op, args_schema: tuple, kwargs_schema: dict, mesh, output_meta, pi
     (``_move_cost``; DTensor prices none, so it picks among such inputs' strategies blindly, replicating every
     axis). Returns (the spec each argument must be moved to, aligned with
     ``args_schema``: None where it is not a tensor; the output spec), or None when ``op`` has no strategy
-    function or no strategy keeps to both restrictions."""
+    function, returns several outputs (a ``TupleStrategy``: not chosen here), or no strategy keeps to both
+    restrictions."""
     from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
     from torch.distributed.tensor._ops import utils as ops_utils
 
@@ -522,8 +523,13 @@ def _move_cost(redistribute_cost, current: DTensorSpec, target: DTensorSpec) -> 
     if cost != float("inf"):
         return cost
     plain = lambda spec: DTensorSpec(spec.mesh, tuple(  # noqa: E731
-        Shard(p.dim) if type(p).__name__ == "_StridedShard" else p for p in spec.placements), spec.tensor_meta)
+        Shard(p.dim) if is_strided_shard(p) else p for p in spec.placements), spec.tensor_meta)
     return redistribute_cost(plain(current), plain(target))
+
+
+def is_strided_shard(placement) -> bool:
+    """Whether ``placement`` is DTensor's private ``_StridedShard`` (a dim split inside a flattened one)."""
+    return type(placement).__name__ == "_StridedShard"
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ from torch_autopar.cost import get_profile
 from torch_autopar.testing.models import LLAMA3_8B, Llama
 
 MESH = (8, 16)
-NAMED = ("fully_shard", "tensor_parallel", "fsdp_tp")
+NAMED = ("tensor_parallel", "fsdp_tp")
+"""fully_shard splits the 16 sequences 128 ways: refused (test_fully_shard_refuses_16_sequences_on_128_devices)."""
 
 pytestmark = pytest.mark.slow
 
@@ -51,3 +52,12 @@ def test_named_strategies_differ(plans):
     for a, b in itertools.combinations(NAMED, 2):
         assert plans[a].estimated_step_time != pytest.approx(plans[b].estimated_step_time, rel=1e-6), (a, b)
         assert plans[a].param_placements != plans[b].param_placements, (a, b)
+
+
+def test_fully_shard_refuses_16_sequences_on_128_devices():
+    with torch.device("meta"):
+        model = Llama(LLAMA3_8B)
+    tokens = torch.empty(16, 2048, dtype=torch.long, device="meta")
+    with pytest.raises(autopar.AutoparError, match=r"'fully_shard' splits the batch over the mesh axes dp=8 x tp=16 "
+                       r"\(128 pieces\), but the global batch has 16 samples"):
+        autopar.plan(model, tokens, mesh_shape=MESH, hardware="h100", strategy="fully_shard")

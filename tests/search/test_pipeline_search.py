@@ -88,7 +88,7 @@ def test_memory_binds_pipelined_plan_fits_and_is_faster(bound):
     assert re.search(r"pipeline='auto' compared intra-op auto [\d.]+ ms, .* with \d+ pipelined candidates", text)
     assert "chose the pipelined plan" in text and "intra-op: auto compared auto" in text
     # intra-op auto compares every named strategy that can split 8 samples: not data parallelism over 64 ranks
-    assert "data_parallel" not in text.split("intra-op: auto compared")[1].splitlines()[0]
+    assert "; data_parallel, fully_shard left out: each splits the batch into more pieces than its 8 samples" in text
     with pytest.raises(autopar.AutoparError, match=r"'data_parallel' splits the batch over the mesh axes dp=64 \(64 "
                        r"pieces\), but the global batch has 8 samples"):
         autopar.plan(model, tokens, mesh_shape=(64,), hardware="h100", strategy="data_parallel")
@@ -177,10 +177,13 @@ def test_compile_auto_in_one_process_and_its_errors():
 
 @pytest.mark.slow
 def test_llama3_70b_on_8x8x16_is_pipelined():
-    """The issue's shape: 16 sequences of 2,048 tokens on 1,024 devices of 80 GiB (about 2 minutes here)."""
+    """The issue's shape: 16 sequences of 2,048 tokens on 1,024 devices of 80 GiB (about 2 minutes here). No
+    intra-op plan exists: the exact problem is too large and every named layout splits 16 sequences 64 ways or
+    more."""
     with torch.device("meta"):
         model = Llama(LLAMA3_70B)
     tokens = torch.empty(16, 2048, dtype=torch.long, device="meta")
     plan = autopar.plan(model, tokens, mesh_shape=(8, 8, 16), hardware="h100", pipeline="auto")
     assert plan.pipeline_stages > 1 and plan.peak_memory <= 80 * GIB, plan.explain()
-    assert plan.estimated_step_time < plan.search_stats["pipeline_auto"]["intra_op_step_s"], plan.explain()
+    assert plan.search_stats["pipeline_auto"]["intra_op_step_s"] is None
+    assert "intra-op: nothing fits (strategy 'auto' on mesh (8, 8, 16) propagates the named layouts" in plan.explain()

@@ -31,7 +31,9 @@ def _plan(model, strategy, batch=16, solver="propagate", mesh=MESH):
 @pytest.mark.parametrize("strategy", ["fsdp_tp", "tensor_parallel"])
 def test_matrices_stay_split_and_attention_stays_batch_split(llama, strategy):
     plan = _plan(llama, strategy)
-    assert plan.search_stats["mode"] == "propagation" and plan.replicated_ops == {}
+    # the only ops replicated anywhere: the views regrouping 2 key/value heads split 4 ways, on the tp axis alone
+    assert plan.search_stats["mode"] == "propagation"
+    assert set(plan.replicated_ops) <= {"aten.view.default (on mesh axis 2)"}, plan.replicated_ops
     fsdp = "S(1)" if strategy == "fsdp_tp" else "R"  # a column-parallel matrix: fsdp takes the other dim
     row = "S(0)" if strategy == "fsdp_tp" else "R"
     for layer in ("layers.0", "layers.3"):
@@ -53,8 +55,9 @@ def test_weight_gradients_are_synced_split_as_their_matrices(llama, strategy):
     vocabulary-parallel lookup's gradient whole)."""
     plan = _plan(llama, strategy)
     params = sum(p.numel() * 4 for p in llama.parameters())
-    synced = [c for c in plan.collectives if c.phase == "grad_sync" and c.axis == "dp"]
-    assert synced and sum(c.nbytes * c.count for c in synced) <= 0.3 * params
+    for axis in ("dp", "cp"):  # the batch axes of a 3-D mesh's default names
+        synced = [c for c in plan.collectives if c.phase == "grad_sync" and c.axis == axis]
+        assert synced and sum(c.nbytes * c.count for c in synced) <= 0.3 * params, axis
     on_tp = sum(c.nbytes * c.count for c in plan.collectives if c.phase == "grad_sync" and c.axis == "tp")
     assert on_tp <= llama.tok.weight.numel() * 4 + 64 * 1024
 
@@ -64,13 +67,24 @@ def test_named_strategies_refuse_a_batch_they_cannot_split(llama):
         with pytest.raises(autopar.AutoparError, match=rf"^torch_autopar: strategy '{strategy}' splits the batch over "
                            rf"the mesh axes .*\({pieces} pieces\), but the global batch has 2 samples"):
             _plan(llama, strategy, batch=2, solver="auto")
-    # auto splits what it can: the exact search on this problem, another dim than the batch
-    assert _plan(llama, "auto", batch=2, solver="auto", mesh=(2, 2)).global_batch == 2
+    with pytest.raises(autopar.AutoparError, match=r"or a strategy that splits this batch \(tensor_parallel, "
+                       r"fsdp_tp, or auto"):
+        _plan(llama, "fully_shard", batch=4, solver="auto")
+    # auto, on a 2x2 mesh, compares only the layouts that split 2 samples, and its own search
+    plan = _plan(llama, "auto", batch=2, solver="auto", mesh=(2, 2))
+    compared = next(note for note in plan.notes if note.startswith("auto compared"))
+    assert compared.endswith("; data_parallel, fully_shard left out: each splits the batch into more pieces than its "
+                             "2 samples"), compared
 
 
 def test_auto_in_the_fast_mode_says_when_no_named_layout_splits_the_batch(llama, monkeypatch):
     monkeypatch.setattr("torch_autopar.search.planner.MAX_EXACT_EDGE_VARIABLES", 10)
-    with pytest.raises(autopar.AutoparError, match=r"auto: the unrestricted problem has more than 10 edge variables "
-                       r".* no named layout it could propagate instead splits this batch: strategy 'data_parallel'"):
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: strategy 'auto' on mesh \(2, 2, 4\) propagates "
+                       r"the named layouts \(the unrestricted problem has more than 10 edge variables .*\), but each "
+                       r"splits the batch into at least 4 pieces and the global batch has 2 samples"):
         _plan(llama, "auto", batch=2, solver="auto")
-    assert _plan(llama, "auto", batch=16, solver="auto").peak_memory > 0  # a batch the named layouts split
+    with pytest.raises(autopar.AutoparError, match=r"\(solver='propagate' was asked for\)"):
+        _plan(llama, "auto", batch=2)
+    # a batch of 4 splits over tensor_parallel's and fsdp_tp's 4 pieces, not data parallelism's 16
+    chosen = _plan(llama, "auto", batch=4)
+    assert chosen.search_stats["seed"] in ("tensor_parallel", "fsdp_tp"), chosen.search_stats

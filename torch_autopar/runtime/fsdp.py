@@ -9,8 +9,9 @@ parameter (cast under a mixed-precision policy), and in backward, once every gra
 ONE reduce_scatter that leaves each gradient's shard in its parameter's layout, as DTensor's backward would.
 
   root       gathered by the runner once per call and kept for the step (backward needs it at once, as FSDP2's
-             root); with ``reshard_after_forward=False`` every group is gathered there too, and kept, and so are
-             the groups ``Plan.kept_gathered`` names (``reshard_after_forward="auto"``).
+             root); with ``reshard_after_forward=False`` every group's all_gather is issued there too, in order,
+             and so are those of the groups ``Plan.kept_gathered`` names (``reshard_after_forward="auto"``): each
+             such group takes its gather in its own forward and keeps it until its reduce_scatter.
   forward    a group's module runs through a wrapper of its ``forward`` that gathers the group (or takes the
              gather prefetched for it), issues the next group's all_gather (asynchronous: it overlaps this
              group's compute; "next" is the order the groups ran in the previous call, at first the order they
@@ -153,9 +154,9 @@ class FullyShardedGroups:
 
     def whole_parameters(self) -> dict:
         """Name → tensor, for the runner's call: the root's parameters (cast, gathered by one all_gather per
-        flat group), and every group's when groups do not reshard, else the kept groups' (``Plan.kept_gathered``),
-        in the groups' order on every rank (each gather is a collective); plain local tensors under
-        ``local_compute``. A kept group other than the root only has its all_gather run here: its forward takes
+        flat group; plain local tensors under ``local_compute``). The all_gathers of every group when groups do
+        not reshard, else of the kept groups (``Plan.kept_gathered``), are issued here too, in the groups' order
+        on every rank (each is a collective), but not returned: each such group's forward takes
         the result (``_kept``), so that the nodes autograd runs its gradients through (the gather's,
         ``local_view``'s) are made with the group's forward. Made here, before every layer's forward, they would
         be the oldest nodes of the graph, which autograd's ready queue (latest node first) runs only once nothing

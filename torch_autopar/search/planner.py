@@ -43,7 +43,7 @@ from torch_autopar.strategies import Sharding, format_placements, propagate, see
 from torch_autopar.strategies.boundary import flat_reduced
 from torch_autopar.strategies.enumerate import StrategySpace, enumerate_strategies
 from torch_autopar.strategies.placements import spec_for
-from torch_autopar.strategies.roles import axis_roles, check_batch_split, gathered_uses, leaf_filter
+from torch_autopar.strategies.roles import axis_roles, batch_pieces, check_batch_split, gathered_uses, leaf_filter
 
 STRATEGIES = ("auto", "data_parallel", "stand_alone", "fully_shard", "tensor_parallel", "fsdp_tp")
 """Names accepted as ``strategy=``; a ``Plan`` object is accepted too."""
@@ -121,7 +121,6 @@ class Planner(Executing):
 
     # one candidate ----------------------------------------------------------------------------------------------
     def propagated(self, strategy: str) -> Plan:
-        self._check_batch(strategy)
         seeds = seed_placements(self.program, strategy, self.mesh.ndim)
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
         sharding = self._propagation(("seeds", strategy), seeds)
@@ -147,15 +146,25 @@ class Planner(Executing):
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
         gathered = gathered_at_use(self.program, roles, seeds)
         sharding = self._propagation(("roles", strategy), seeds, gathered, split_matrices(self.program, roles),
-                                     split_matrix_grads(self.program, roles))
+                                     split_matrix_grads(self.program, roles, tuple(self.mesh.shape)))
         return self._plan(strategy, sharding, params)
+
+    def _no_named_layout(self, names: list[str]) -> AutoparError:
+        """Fast-mode auto's error when no named layout splits the batch (``_check_batch`` refused each)."""
+        pieces = min(batch_pieces(name, tuple(self.mesh.shape)) for name in names)
+        why = (f"the unrestricted problem has more than {MAX_EXACT_EDGE_VARIABLES:,} edge variables (the exact "
+               "limit)" if self.solver == "auto" else "solver='propagate' was asked for")
+        return AutoparError(
+            f"strategy 'auto' on mesh {tuple(self.mesh.shape)} propagates the named layouts ({why}), but each splits "
+            f"the batch into at least {pieces} pieces and the global batch has {self.global_batch} samples. Expected "
+            f"a global batch of at least {pieces}; use a larger batch, a smaller mesh, or solver='milp' to solve "
+            "the unrestricted problem exactly (slow at this size).")
 
     def _check_batch(self, strategy: str) -> None:
         """A named strategy must split the batch into no more pieces than it has (``roles.check_batch_split``);
         "auto" and "stand_alone" split only what they can."""
         if strategy not in ("auto", "stand_alone") and self.mesh.size() > 1:
-            check_batch_split(strategy, axis_roles(strategy, self.mesh.ndim), tuple(self.mesh.shape),
-                              self.axis_names, self.global_batch)
+            check_batch_split(strategy, tuple(self.mesh.shape), self.axis_names, self.global_batch)
 
     def _propagation(self, key: tuple, seeds: dict, gathered: dict | None = None, pinned: frozenset = frozenset(),
                      grad_outputs: dict | None = None) -> Sharding:
@@ -172,11 +181,13 @@ class Planner(Executing):
         large to solve exactly)."""
         return self.searched_many([strategy])[strategy]
 
-    def _propagated_or_none(self, strategy: str) -> Plan | None:
+    def _splits_batch(self, strategy: str) -> bool:
+        """Whether ``_check_batch`` lets ``strategy`` split this batch."""
         try:
-            return self.propagated(strategy)
-        except AutoparError:  # the batch is too small to split this way (_check_batch); other candidates may not be
-            return None
+            self._check_batch(strategy)
+        except AutoparError:
+            return False
+        return True
 
     def _searched_or_none(self, strategy: str) -> Plan | None:
         try:
@@ -318,18 +329,10 @@ class Planner(Executing):
             plan = self.role_propagated(strategy)
         else:
             names = ["data_parallel", "fully_shard", "tensor_parallel"] + (["fsdp_tp"] if self.mesh.ndim >= 2 else [])
-            plans, errors = [], []
-            for name in names:
-                try:
-                    plans.append(self.propagated(name) if name == "data_parallel" else self.role_propagated(name))
-                except AutoparError as error:  # this batch is too small for the layout
-                    errors.append(str(error).removeprefix("torch_autopar: "))
+            plans = [self.propagated(n) if n == "data_parallel" else self.role_propagated(n)
+                     for n in names if self._splits_batch(n)]
             if not plans:
-                raise AutoparError(
-                    f"auto: the unrestricted problem has more than {MAX_EXACT_EDGE_VARIABLES:,} edge variables (the "
-                    "exact limit), and no named layout it could propagate instead splits this batch: "
-                    + errors[0] + " Alternatively pass solver='milp' to solve the unrestricted problem exactly "
-                    "(slow at this size), or use a smaller mesh.")
+                raise self._no_named_layout(names)
             plan = min(plans, key=lambda p: (p.peak_memory > self.budget, p.estimated_step_time))
             plan.search_stats["candidate"] = plan.strategy
             plan.strategy = "auto"
@@ -434,6 +437,7 @@ class Planner(Executing):
         check_strategy(strategy)
         if strategy == "auto":
             return self._auto(executable)
+        self._check_batch(strategy)
         plan = self.propagated(strategy) if strategy in ("data_parallel", "stand_alone") else self.searched(strategy)
         return self._within_budget([self._recompute(self.executed(plan) if executable else plan)])
 
@@ -456,12 +460,15 @@ class Planner(Executing):
         # Each named strategy is planned exactly as plan(strategy=name) plans it, so auto can never lose to one
         # of them; "auto" itself is the unrestricted search, solved first: when its optimum dominates the named
         # restrictions by construction they are not solved at all (see _dominates_restrictions).
-        plans, skipped = [], []
+        plans, skipped, refused = [], [], []
         for name in names:
+            if name != "auto" and not self._splits_batch(name):
+                refused.append(name)
+                continue
             if name not in ("data_parallel", "auto") and not executable and self._dominates_restrictions(plans):
                 skipped.append(name)
                 continue
-            plan = self._propagated_or_none(name) if name == "data_parallel" else self._searched_or_none(name)
+            plan = self.propagated(name) if name == "data_parallel" else self._searched_or_none(name)
             if plan is not None:
                 plan = self._recompute(self.executed(plan) if executable else plan)
                 plan.search_stats["candidate"] = name
@@ -478,7 +485,9 @@ class Planner(Executing):
             + f"; chose {best.search_stats['candidate']}"
             + (" (estimates of the layouts as executed)" if executable else "")
             + (f"; {', '.join(skipped)} not solved: each is auto's problem with its leaves bounded, so auto's proven "
-               "optimum is no slower" if skipped else ""))
+               "optimum is no slower" if skipped else "")
+            + (f"; {', '.join(refused)} left out: each splits the batch into more pieces than its "
+               f"{self.global_batch} samples" if refused else ""))
         best.strategy = "auto"
         return best
 
@@ -541,6 +550,7 @@ def build_plan(program: CapturedProgram, mesh: DeviceMesh, axis_names, *, strate
                           activation_checkpointing=activation_checkpointing, recompute_candidates=recompute_candidates)
         return planner.plan(strategy, executable=executable)
 
+    reshard_choice.check_reshard_after_forward(reshard_after_forward)
     if reshard_after_forward == "auto" and not executable:  # a folded capture: priced as searched, not as run
         plan = reshard_choice.unchosen(planned(True))
     elif reshard_after_forward == "auto":

@@ -117,19 +117,20 @@ def split_matrices(program: CapturedProgram, roles: tuple[str, ...]) -> frozense
     return frozenset(pinned)
 
 
-def split_matrix_grads(program: CapturedProgram, roles: tuple[str, ...]) -> dict[fx.Node, dict[int, Shard]]:
+def split_matrix_grads(program: CapturedProgram, roles: tuple[str, ...],
+                       mesh_shape: tuple[int, ...]) -> dict[fx.Node, dict[int, Shard]]:
     """The op computing the gradient of each of tensor parallelism's split matrices (before any view or cast) →
     the placement its output must have on each tp axis: the matrix's own split, seen through the transposes
     between that op and the gradient. Propagation computes them so (``propagate``'s ``grad_outputs``). Left to
     DTensor's cheapest op, a weight gradient multiplies two activations split along the sequence into a partial
-    sum of the whole matrix, which the gradient sync then reduces whole."""
-    axes = [axis for axis, role in enumerate(roles) if role == "tp"]
-    if not axes:
-        return {}
-    splits, required = megatron_splits(program), {}
+    sum of the whole matrix, which the gradient sync then reduces whole. A matrix too small to split on an axis
+    (``role_seeds`` replicates it there) is left to DTensor."""
+    splits, required = megatron_splits(program) if "tp" in roles else {}, {}
     for name, param in program.param_nodes.items():
         node, dim = program.grad_nodes.get(name), _tp_dim(param.meta["val"], splits.get(param))
-        if param not in splits or dim is None:
+        axes = [axis for axis, role in enumerate(roles) if role == "tp" and dim is not None
+                and param.meta["val"].shape[dim] >= mesh_shape[axis]]
+        if param not in splits or not axes:
             continue
         while node is not None and node.op == "call_function" and node.target in _VIEWS \
                 and len(node.all_input_nodes) == 1:

@@ -180,40 +180,52 @@ class _Propagator:
     def _apply_rule_on_fewer_axes(self, node: fx.Node, args, kwargs):
         """The rule applied with every input replicated on one mesh axis, the last axis first (None when that
         fails on each): a shape the rule cannot split on one axis (a view regrouping a dim split more ways than
-        a new dim has) need not replicate the batch split on the others. Only where propagation chooses layouts
-        of its own (``choosing``): at run time DTensor replicates such an op on every axis."""
+        a new dim has) need not replicate the batch split on the others. Reported as replicated on that axis.
+        Only where propagation chooses layouts of its own (``choosing``): at run time DTensor replicates such an
+        op on every axis."""
         for axis in reversed(range(self.mesh.ndim)):
             replicated = lambda a: _replicated_on(a, axis)  # noqa: E731, B023
             moved = fx.node.map_aggregate(args, replicated)
             try:
-                spec = self._apply_rule(node, moved, fx.node.map_aggregate(kwargs, replicated))
+                wanted, spec = self._choose(node, moved, fx.node.map_aggregate(kwargs, replicated))
             except Exception:
                 continue
-            for index, (have, want) in enumerate(zip(args, moved)):
-                self._record(node, index, have, _placements_of(want))
-            return spec
+            self.result.replicated_ops[f"{node.target} (on mesh axis {axis})"] += 1
+            self._record_moves(node, args, [w if isinstance(w, _compat.DTensorSpec) else m
+                                            for w, m in zip(wanted, moved)])
+            return self._respec(node, spec)
         return None
 
     def _apply_rule(self, node: fx.Node, args, kwargs):
+        wanted, spec = self._choose(node, args, kwargs)
+        self._record_moves(node, args, wanted)
+        return self._respec(node, spec)
+
+    def _choose(self, node: fx.Node, args, kwargs) -> tuple[list, object]:
+        """(the spec each argument is moved to, the output spec) as DTensor's rule chooses them for these input
+        specs; where this propagation chooses (``choosing``), chosen again by ``_compat.op_choice`` when the rule
+        would move a pinned input, leaves a required gradient layout, or met a strided shard."""
         output = _compat.propagate_sharding(node.target, args, kwargs)
         spec, required = output.output_spec, self.grad_outputs.get(node, {})
-        if (not output.needs_redistribute or output.redistribute_schema is None) and not (
+        moves = output.needs_redistribute and output.redistribute_schema is not None
+        wanted = list(output.redistribute_schema.args_schema) if moves else list(args)
+        if not self.choosing or not moves and not (
                 isinstance(spec, _compat.DTensorSpec) and any(spec.placements[a] != p for a, p in required.items())):
-            return self._respec(node, spec)
-        wanted = output.redistribute_schema.args_schema if output.redistribute_schema is not None else args
+            return wanted, spec
         pinned = {index for index, (arg, have, want) in enumerate(zip(node.args, args, wanted))
                   if isinstance(arg, fx.Node) and arg in self.pinned and _placements_of(have) != _placements_of(want)}
-        strided = self.choosing and any(type(p).__name__ == "_StridedShard"
-                                        for a in args for p in (_placements_of(a) or ()))
+        strided = any(_compat.is_strided_shard(p) for a in args for p in (_placements_of(a) or ()))
         value = node.meta.get("val")
-        if (pinned or strided or required) and isinstance(value, torch.Tensor):  # choose again (op_choice)
+        if (pinned or strided or required) and isinstance(value, torch.Tensor):
             meta = _compat.TensorMeta(value.shape, value.stride(), value.dtype)
             choice = _compat.op_choice(node.target, args, kwargs, self.mesh, meta, pinned, required)
             if choice is not None:
                 wanted, spec = choice
+        return wanted, spec
+
+    def _record_moves(self, node: fx.Node, args, wanted) -> None:
         for index, (have, want) in enumerate(zip(args, wanted)):
             self._record(node, index, have, getattr(want, "placements", None))
-        return self._respec(node, spec)
 
     def _respec(self, node: fx.Node, rule_spec):
         """The rule's placements on this node's own shapes (a rule's tensor_meta may describe its input)."""

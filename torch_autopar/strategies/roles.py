@@ -42,23 +42,31 @@ def axis_roles(strategy: str, mesh_ndim: int) -> tuple[str, ...]:
     raise AutoparError(f"no axis roles for strategy {strategy!r}")
 
 
-def check_batch_split(strategy: str, roles: tuple[str, ...], mesh_shape: tuple[int, ...], axis_names,
-                      global_batch: int | None) -> None:
-    """Raise when ``roles`` split a batch of ``global_batch`` samples into more pieces than it has: devices would
-    hold no sample (or, where a rule then replicates the input, compute the whole batch each), a plan no one
-    wants. A batch at least that large divides unevenly where it must, as DTensor's shards do. The pieces: the
-    product of the sizes of the dp and fsdp axes."""
-    ways = math.prod(size for role, size in zip(roles, mesh_shape) if role in ("dp", "fsdp"))
-    if global_batch is None or global_batch >= ways:
+def batch_pieces(strategy: str, mesh_shape: tuple[int, ...]) -> int:
+    """How many pieces a named strategy splits the batch into on ``mesh_shape``: the product of the sizes of the
+    axes its roles give dp or fsdp."""
+    roles = axis_roles(strategy, len(mesh_shape))
+    return math.prod(size for role, size in zip(roles, mesh_shape) if role in ("dp", "fsdp"))
+
+
+def check_batch_split(strategy: str, mesh_shape: tuple[int, ...], axis_names, global_batch: int | None) -> None:
+    """Raise when ``strategy`` splits a batch of ``global_batch`` samples into more pieces than it has: devices
+    would hold no sample (or, where a rule then replicates the input, compute the whole batch each), a plan no one
+    wants. A batch at least that large divides unevenly where it must, as DTensor's shards do."""
+    pieces = batch_pieces(strategy, mesh_shape)
+    if global_batch is None or global_batch >= pieces:
         return
+    roles = axis_roles(strategy, len(mesh_shape))
     axes = " x ".join(f"{name}={size}" for name, size, role in zip(axis_names, mesh_shape, roles)
                       if role in ("dp", "fsdp"))
+    fitting = [name for name in ("data_parallel", "fully_shard", "tensor_parallel", "fsdp_tp")
+               if (name != "fsdp_tp" or len(mesh_shape) > 1) and batch_pieces(name, mesh_shape) <= global_batch]
     raise AutoparError(
-        f"strategy {strategy!r} splits the batch over the mesh axes {axes} ({ways} pieces), but the global batch "
-        f"has {global_batch} samples (dim 0 of the first input): {ways - global_batch} of the pieces would be empty. "
-        f"Expected a global batch of at least {ways}; use a larger batch, a mesh with fewer devices on those axes, "
-        "or a strategy that splits the batch over fewer axes (tensor_parallel, fsdp_tp, or auto, which can split "
-        "other dims).")
+        f"strategy {strategy!r} splits the batch over the mesh axes {axes} ({pieces} pieces), but the global batch "
+        f"has {global_batch} samples (dim 0 of the first input): {pieces - global_batch} of the pieces would be "
+        f"empty. Expected a global batch of at least {pieces}; use a larger batch, a mesh with fewer devices on "
+        "those axes, or " + (f"a strategy that splits this batch ({', '.join(fitting)}, or auto, which can also "
+                             "split other dims)." if fitting else "strategy='auto', which can split other dims."))
 
 
 def _allowed(role: str, kind: str, placement, value: torch.Tensor) -> bool:
