@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import torch_autopar as autopar
 from torch_autopar import _compat
 from torch_autopar.runtime.comm_count import CollectiveCounter
-from torch_autopar.testing.models import GPT, MLP, SmallCNN, gpt_loss
+from torch_autopar.testing.models import GPT, MLP, Llama, LlamaConfig, SmallCNN, gpt_loss
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -64,6 +64,8 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
         return MLP((12, 10, 6))
     if name == "blocks":
         return StackedMLP()
+    if name == "llama":  # grouped-query attention: 2 key/value heads for 4 query heads
+        return Llama(LlamaConfig(n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=96))
     return {"mlp": MLP, "gpt": GPT, "gpt_head": AliasedHeadGPT, "branchy": Branchy, "straight": Straight,
             "cnn": SmallCNN}[name]()
 
@@ -71,7 +73,7 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
 def global_batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global (inputs, targets) of training step ``step`` for model ``name``: same on every rank."""
     generator = torch.Generator().manual_seed(1000 + step)
-    if name in ("gpt", "gpt_head"):
+    if name in ("gpt", "gpt_head", "llama"):
         tokens = torch.randint(0, 96, (GLOBAL_BATCH, 17), generator=generator)
         return tokens[:, :-1], tokens[:, 1:]
     if name == "cnn":
@@ -87,7 +89,7 @@ def global_batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loss_fn(name: str, output, target):
     if name == "cnn":
         return F.cross_entropy(output, target)
-    return gpt_loss(output, target) if name in ("gpt", "gpt_head") else F.mse_loss(output, target)
+    return gpt_loss(output, target) if name in ("gpt", "gpt_head", "llama") else F.mse_loss(output, target)
 
 
 def make_optimizer(name: str, params):

@@ -251,7 +251,17 @@ def tangent_output_index(desc: Any) -> int | None:
 def propagate_sharding(op, args_schema: tuple, kwargs_schema: dict):
     """Run DTensor's registered sharding rule for ``op`` on specs; returns its ``OutputSharding``."""
     propagator = DTensor._op_dispatcher.sharding_propagator
-    return propagator.propagate_op_sharding(OpSchema(op, args_schema, kwargs_schema))
+    return propagator.propagate_op_sharding(op_schema(op, args_schema, kwargs_schema))
+
+
+def op_schema(op, args_schema: tuple, kwargs_schema: dict) -> OpSchema:
+    """``op``'s schema on specs as DTensor's dispatcher builds it: with the op's runtime schema info, which names
+    the non-tensor arguments (a view's shape, a reduction's dims) that are part of the sharding cache's key.
+    Without it two calls on the same input spec share one cache entry: a view to ``(B*T, C)`` would be given the
+    output of an earlier view of that input to ``(B, T, H, D)``."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    info = propagator.op_to_schema_info.get(op) or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
+    return OpSchema(op, args_schema, kwargs_schema, schema_info=info)
 
 
 _REPLICATED_FALLBACKS: set = set()
@@ -456,7 +466,7 @@ def op_strategies(op, args_schema: tuple, kwargs_schema: dict, mesh, output_meta
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
     propagator = DTensor._op_dispatcher.sharding_propagator
-    schema = OpSchema(op, args_schema, kwargs_schema, schema_info=propagator.op_to_schema_info.get(op))
+    schema = op_schema(op, args_schema, kwargs_schema)
     info = propagator.op_single_dim_strategy_funcs.get(op)
     if info is not None:
         single = info.func(op, schema.args_meta, schema.kwargs_meta)

@@ -408,7 +408,9 @@ def compile(model=None, example_inputs=None, *, mesh=None, strategy="auto", memo
     device's built-in one; "measured": that cached profile, measured by ``autopar.profile`` on first use.
     full_batch: every rank passes the whole global batch (as parallelize_module users call a model): a sharded
     plan takes it replicated and returns its outputs replicated, moving no batch slices; data parallelism
-    computes this rank's slice and gathers the outputs.
+    computes this rank's slice and gathers the outputs. A named strategy that splits the batch into more pieces
+    than the global batch has samples (e.g. "fully_shard" on 8 ranks with 4 samples) is refused with an error
+    naming the strategies that split it; "auto" leaves such layouts out.
     activation_checkpointing: None, "auto", "full" or "selective" (runtime.recompute): recompute the repeated
     layers' activations in backward (all of them, or all but matmul and attention outputs) to save memory; "auto"
     recomputes, after the layout search, the fewest layers that bring the plan's predicted peak within

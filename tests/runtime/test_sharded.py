@@ -117,7 +117,9 @@ def jobs():
 
 def _results(jobs, world, mesh, slow):
     if (world, mesh, slow) not in jobs:
-        jobs[(world, mesh, slow)] = run_on_ranks(_job, world, mesh, slow, timeout_s=900)
+        # spawned, not forked: each rank plans with a hash seed of its own, as under torchrun, so plans that
+        # depended on set or dict order would differ between ranks here and fail
+        jobs[(world, mesh, slow)] = run_on_ranks(_job, world, mesh, slow, timeout_s=900, start_method="spawn")
     return jobs[(world, mesh, slow)]
 
 

@@ -75,3 +75,19 @@ def test_objective_equals_estimate_under_a_budget_that_binds(program, mesh_shape
             continue
         assert plan.peak_memory <= budget
         assert plan.search_stats["objective_s"] == pytest.approx(_solved_part(plan), rel=1e-9), strategy
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_objective_prices_the_recomputation_of_a_fixed_policy(policy):
+    """Every layer recomputes: the forward of each runs twice ("selective": all but its matmuls), which the
+    search optimises as the estimate adds it, so auto's optimum still dominates the named restrictions."""
+    program = _gpt()
+    with offline_mesh((2, 2), MESHES[(2, 2)]) as mesh:
+        planner = Planner(program, mesh, MESHES[(2, 2)], hardware=get_profile("h100"),
+                          activation_checkpointing=policy)
+        for strategy in _strategies((2, 2))[1:]:
+            plan = planner.plan(strategy)
+            assert set(plan.activation_checkpointing.values()) == {policy}, strategy
+            assert plan.search_stats["objective_s"] == pytest.approx(_solved_part(plan), rel=1e-9), strategy
+        compared = next(note for note in planner.plan("auto").notes if note.startswith("auto compared"))
+        assert "fully_shard, tensor_parallel, fsdp_tp not solved" in compared, compared

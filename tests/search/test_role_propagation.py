@@ -28,9 +28,15 @@ def _plan(model, strategy, batch=16, solver="propagate", mesh=MESH):
                         fold_layers=True)
 
 
+@pytest.fixture(scope="module")
+def propagated(llama):
+    """Each strategy's propagated plan on 16 sequences, made once for the tests that read it."""
+    return {strategy: _plan(llama, strategy) for strategy in ("fsdp_tp", "tensor_parallel")}
+
+
 @pytest.mark.parametrize("strategy", ["fsdp_tp", "tensor_parallel"])
-def test_matrices_stay_split_and_attention_stays_batch_split(llama, strategy):
-    plan = _plan(llama, strategy)
+def test_matrices_stay_split_and_attention_stays_batch_split(propagated, strategy):
+    plan = propagated[strategy]
     # the only ops replicated anywhere: the views regrouping 2 key/value heads split 4 ways, on the tp axis alone
     assert plan.search_stats["mode"] == "propagation"
     assert set(plan.replicated_ops) <= {"aten.view.default (on mesh axis 2)"}, plan.replicated_ops
@@ -48,12 +54,12 @@ def test_matrices_stay_split_and_attention_stays_batch_split(llama, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp_tp", "tensor_parallel"])
-def test_weight_gradients_are_synced_split_as_their_matrices(llama, strategy):
+def test_weight_gradients_are_synced_split_as_their_matrices(llama, propagated, strategy):
     """The gradient sync over the batch axes moves each matrix's tensor-parallel shard, a quarter of the
     parameters' bytes (vectors, replicated on tp, are a few KiB), not the whole matrices a partial sum over a
     split sequence would leave; on the tp axis only the embedding's gradient is reduced (DTensor sums a
     vocabulary-parallel lookup's gradient whole)."""
-    plan = _plan(llama, strategy)
+    plan = propagated[strategy]
     params = sum(p.numel() * 4 for p in llama.parameters())
     for axis in ("dp", "cp"):  # the batch axes of a 3-D mesh's default names
         synced = [c for c in plan.collectives if c.phase == "grad_sync" and c.axis == axis]

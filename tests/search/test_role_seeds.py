@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from torch_autopar.capture import capture, fake_global_inputs
-from torch_autopar.search.role_seeds import role_seeds
+from torch_autopar.search.role_seeds import megatron_splits, role_seeds
 
 
 class InOutLinear(nn.Module):
@@ -40,7 +40,7 @@ class TwoMlps(nn.Module):
 def _seeds(model, x):
     args, kwargs = fake_global_inputs(model, (x,), {}, 1)
     program = capture(model, args, kwargs)
-    seeds = role_seeds(program, ("tp",), (2,))
+    seeds = role_seeds(program, ("tp",), (2,), megatron_splits(program).splits)
     return {name: seeds[node][0] for name, node in program.param_nodes.items()}
 
 

@@ -24,9 +24,10 @@ def _fork_a_sleeper(rank: int, world: int) -> int:
     return rank
 
 
-def test_returns_when_ranks_exit_though_a_forked_child_still_runs():
+@pytest.mark.parametrize("start_method", ("forkserver", "spawn"))
+def test_returns_when_ranks_exit_though_a_forked_child_still_runs(start_method):
     started = time.monotonic()
-    assert run_on_ranks(_fork_a_sleeper, 2, timeout_s=120) == [0, 1]
+    assert run_on_ranks(_fork_a_sleeper, 2, timeout_s=120, start_method=start_method) == [0, 1]
     assert time.monotonic() - started < 45
 
 

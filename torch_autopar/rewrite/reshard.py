@@ -14,25 +14,10 @@ gradient, nor an op that costs more than a copy.
 
 from __future__ import annotations
 
-import operator
-
 import torch.fx as fx
 
 from torch_autopar import _compat
-from torch_autopar.capture.layers import CASTS
-from torch_autopar.strategies.param_gathers import ELEMENT_VIEWS
-
-CHEAP = ELEMENT_VIEWS | {"split", "split_with_sizes", "cat", "slice", "narrow", "clone", "contiguous",
-                         "constant_pad_nd", "_to_copy", "convert_element_type", "copy"}
-"""Ops recomputed with a gather when they read only the gather (or its parameter): copies and views, no compute."""
-
-
-def _cheap(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem or node.target in CASTS:
-        return True
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0] in CHEAP
+from torch_autopar.strategies.param_gathers import is_cheap
 
 
 def _parameter_side(gather: fx.Node, is_param) -> list[fx.Node] | None:
@@ -40,7 +25,7 @@ def _parameter_side(gather: fx.Node, is_param) -> list[fx.Node] | None:
     parameter's."""
     chain, node = [], gather.all_input_nodes[0]
     while node.op != "placeholder":
-        if not _cheap(node) or len(node.all_input_nodes) != 1:
+        if not is_cheap(node) or len(node.all_input_nodes) != 1:
             return None
         chain.append(node)
         node = node.all_input_nodes[0]
@@ -62,7 +47,7 @@ def recompute_parameter_gathers(graph_module: fx.GraphModule, is_param) -> int:
         if node in tagged or node.op != "call_function" or not node.all_input_nodes:
             continue
         waits = node.target is _compat.functional_wait_tensor()
-        if (waits or _cheap(node)) and all(arg in tagged for arg in node.all_input_nodes):
+        if (waits or is_cheap(node)) and all(arg in tagged for arg in node.all_input_nodes):
             tagged.add(node)
     for node in tagged:
         _compat.recompute_in_backward(node)

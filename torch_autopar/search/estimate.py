@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from torch_autopar.capture import CapturedProgram
-from torch_autopar.capture.layers import forward_layer_nodes
+from torch_autopar.capture.layers import forward_layer_nodes, reshard_groups
 from torch_autopar.cost import CostModel, pricing
 from torch_autopar.cost.ops import is_free, node_flops
 from torch_autopar.cost.pricing import ADAM_STATE_PER_PARAM
@@ -123,29 +123,43 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
     """The collectives of every redistribution; ``once_per_value``: a value moved to one layout is moved once
     for all its consumers (graph mode's program), else once per consumer (DTensor in eager mode); there a view of
     a parameter is gathered as its parameter (``strategies.param_gathers``): once per step, or once per phase
-    with ``reshard_after_forward`` unless the parameter (node) is in ``kept`` (``Plan.kept_gathered``)."""
+    with ``reshard_after_forward`` unless the parameter (node) is in ``kept`` (``Plan.kept_gathered``). A gathered
+    copy that backward reads through a view made of it in forward (a weight used by its transpose, which both
+    products read) is gathered again for backward when the plan frees it after forward: in graph mode every
+    parameter's (``rewrite.reshard``), in eager mode a layer's (``runtime.fsdp``; the root group stays)."""
     by_name = {node.name: node for node in program.graph.graph.nodes}
+    in_layers = {program.param_nodes[name] for names in reshard_groups(program.param_nodes).values()
+                 for name in names}
     done = set()
     for redistribution in sharding.redistributions:
         node = by_name[redistribution.node]
         key = (_moved_value(node, redistribution.arg_index), tuple(redistribution.target))
+        gather = _gather_key(program, sharding, redistribution, key[0], reshard_after_forward, kept)
+        param = None if gather is None else param_gathers.param_of(gather[0])
+        resharded = reshard_after_forward and param is not None and param not in kept
+        if resharded and not redistribution.backward and (once_per_value or param in in_layers) \
+                and param_gathers.view_read_by_backward(program, node):
+            again = param_gathers.gather_key(gather[0], gather[1], True, True)
+            if not once_per_value or again not in done:
+                done.add(again)
+                _add_moves(estimate, cost, axis_names, redistribution, True, estimate.weight(node))
         if once_per_value:
-            gather = _gather_key(program, sharding, redistribution, key[0], reshard_after_forward, kept)
             key = gather or key
-            resharded = reshard_after_forward and gather is not None and gather[0] not in kept
             if gather is not None and not (redistribution.backward or resharded or key in done) \
                     and pricing.read_by_backward(program, gather[0]):
                 estimate.kept_gathers[key] = (redistribution.global_nbytes * estimate.weight(node)
                                               // cost.shard_factor(tuple(redistribution.target)))
-        if once_per_value and key in done:
-            continue
+            if key in done:
+                continue
         done.add(key)
-        count = estimate.weight(node)
-        for c in cost.moves(redistribution.source, redistribution.target, redistribution.global_nbytes):
-            estimate.collectives.append(PlannedCollective(
-                kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes,
-                phase="backward" if redistribution.backward else "forward", where=redistribution.node,
-                seconds=cost.collective_time(c.kind, c.axis, c.nbytes), count=count))
+        _add_moves(estimate, cost, axis_names, redistribution, redistribution.backward, estimate.weight(node))
+
+
+def _add_moves(estimate: Estimate, cost: CostModel, axis_names, redistribution, backward: bool, count) -> None:
+    for c in cost.moves(redistribution.source, redistribution.target, redistribution.global_nbytes):
+        estimate.collectives.append(PlannedCollective(
+            kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes, phase="backward" if backward else "forward",
+            where=redistribution.node, seconds=cost.collective_time(c.kind, c.axis, c.nbytes), count=count))
 
 
 def _gather_key(program: CapturedProgram, sharding: Sharding, redistribution, moved: fx.Node,
@@ -159,7 +173,8 @@ def _gather_key(program: CapturedProgram, sharding: Sharding, redistribution, mo
         tuple(redistribution.source), tuple(redistribution.target), tuple(layout))
     if wanted is None:
         return None
-    return param_gathers.gather_key(root, wanted, redistribution.backward, reshard_after_forward and root not in kept)
+    return param_gathers.gather_key(root, wanted, redistribution.backward,
+                                    reshard_after_forward and param_gathers.param_of(root) not in kept)
 
 
 def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, buckets: list[list[str]],

@@ -16,7 +16,9 @@ Objective (seconds per step)
     cost: compute of each strategy (times the members tied to d) and, for user inputs, resharding from the
     layout they arrive in; C_e: resharding between producer output and consumer requirement, gradient sync,
     tangent layout, summed over all edges tied to e. Every term is priced by ``cost.pricing``, as a plan's
-    estimate prices it, so the optimum is the estimate of the plan returned.
+    estimate prices it, so the optimum is the estimate of the plan returned (but for what no edge carries: a
+    gathered parameter freed after forward and gathered again for backward through a view backward reads,
+    gradients reduced in another dtype than the parameters', graph mode's program boundary).
 
 Constraints
     (1) Σ_a x[d, a] = 1                               one strategy per decision     (``_one_strategy_rows``)

@@ -37,7 +37,8 @@ from torch_autopar.search.milp import Solver
 from torch_autopar.search import recompute, reshard_choice
 from torch_autopar.search.plan import Plan, params_of_groups
 from torch_autopar.search.problem import ProblemTooLarge, ShardingProblem, build_problem
-from torch_autopar.search.role_seeds import gathered_at_use, role_seeds, split_matrices, split_matrix_grads
+from torch_autopar.search.role_seeds import (MegatronMatrices, gathered_at_use, megatron_splits, role_seeds,
+                                             split_matrix_grads)
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Sharding, format_placements, propagate, seed_placements
 from torch_autopar.strategies.boundary import flat_reduced
@@ -141,12 +142,13 @@ class Planner(Executing):
     def role_propagated(self, strategy: str) -> Plan:
         """Propagation from seeds that follow ``strategy``'s role on each mesh axis (``search.role_seeds``)."""
         self._check_batch(strategy)
-        roles = axis_roles(strategy, self.mesh.ndim)
-        seeds = role_seeds(self.program, roles, tuple(self.mesh.shape))
+        roles, shape = axis_roles(strategy, self.mesh.ndim), tuple(self.mesh.shape)
+        matrices = megatron_splits(self.program) if "tp" in roles else MegatronMatrices({}, frozenset())
+        seeds = role_seeds(self.program, roles, shape, matrices.splits)
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
         gathered = gathered_at_use(self.program, roles, seeds)
-        sharding = self._propagation(("roles", strategy), seeds, gathered, split_matrices(self.program, roles),
-                                     split_matrix_grads(self.program, roles, tuple(self.mesh.shape)))
+        sharding = self._propagation(("roles", strategy), seeds, gathered, matrices.held,
+                                     split_matrix_grads(self.program, roles, shape, matrices.splits))
         return self._plan(strategy, sharding, params)
 
     def _no_named_layout(self, names: list[str]) -> AutoparError:
@@ -208,7 +210,7 @@ class Planner(Executing):
         limit = MAX_EXACT_EDGE_VARIABLES if self.solver == "auto" else float("inf")
         try:
             problem = build_problem(self.program, space, self.cost, self._arrival, self.budget, self.weights, limit,
-                                    recomputed=self._recomputable())
+                                    recomputed=self._recomputable(), compute_runs=self._compute_runs())
             edge_variables = problem.size()[1]
         except ProblemTooLarge as too_large:
             problem, edge_variables = None, too_large.edge_variables
@@ -232,6 +234,27 @@ class Planner(Executing):
         layers = {key: nodes for key, nodes in forward_layer_nodes(self.program).items()
                   if wanted is None or set(self._real_layers(*key)) & wanted}
         return pricing.all_recomputed(self.program, layers)
+
+    def _compute_runs(self) -> dict:
+        """Forward op → how many times a step runs it (per time the forward does) under a policy whose choice does
+        not depend on the layouts ("full", "selective", a dict): once, and once more in each real layer it stands
+        for that recomputes it (a "selective" layer does not redo its matmuls), the compute ``_recompute`` adds
+        to the plan, so that the search optimises it. None and "auto" (chosen on each plan): nothing."""
+        policy = self.activation_checkpointing
+        if policy is None or policy == "auto":
+            return {}
+        candidates = None if self.recompute_candidates is None else set(self.recompute_candidates)
+        forward, runs = pricing.forward_nodes(self.program), {}
+        for (family, index), nodes in forward_layer_nodes(self.program).items():
+            real = self._real_layers(family, index)
+            hows = [policy.get(path) if isinstance(policy, dict) else
+                    policy if candidates is None or path in candidates else None for path in real]
+            for node in nodes:
+                again = sum(how == "full" or how == "selective" and node.target not in pricing.SAVED_BY_SELECTIVE
+                            for how in hows)
+                if node in forward and again:
+                    runs[node] = 1 + again / len(real)
+        return runs
 
     def _real_layers(self, family: str, index: int) -> list[str]:
         """Module paths of the real layers captured layer ``family.index`` stands for."""
@@ -494,8 +517,9 @@ class Planner(Executing):
     def _dominates_restrictions(self, plans: list[Plan]) -> bool:
         """Whether the unrestricted search among ``plans`` is no slower than any named restriction, without
         solving them: those are bounds on its very problem, it was solved to optimality, it fits the budget and
-        its estimate is the solver's objective (it is not, e.g., in graph mode or with mixed precision: then the
-        restrictions are solved)."""
+        its estimate is the solver's objective (it is not, e.g., in graph mode, with mixed precision's reduce
+        dtype, with a parameter gathered again for backward, or when activation checkpointing "auto" chooses layers
+        on each plan: then the restrictions are solved)."""
         searched = [p for p in plans if p.search_stats.get("candidate") == "auto" and p.search_stats.get("mode") == "exact"]
         return any(p.search_stats["solver_optimal"] and p.peak_memory <= self.budget
                    and abs(p.estimated_step_time - p.search_stats["optimizer_dispatch_s"] - p.search_stats["objective_s"])

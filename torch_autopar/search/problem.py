@@ -133,9 +133,9 @@ class ProblemTooLarge(Exception):
 
 class _Builder:
     def __init__(self, program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival, weights: dict,
-                 max_edge_variables: float, recomputed: set):
+                 max_edge_variables: float, recomputed: set, compute_runs: dict):
         self.program, self.space, self.cost, self.arrival = program, space, cost, arrival
-        self.weights = weights
+        self.weights, self.compute_runs = weights, compute_runs
         self.max_edge_variables, self.edge_variables = max_edge_variables, 0
         self.tied = find_repeated_layers(program)
         self.problem = ShardingProblem(decisions=[], edges={}, decision_of={})
@@ -227,7 +227,7 @@ class _Builder:
                 return np.array([pricing.optimizer_seconds(pricing.local_nbytes(node.meta["val"], s.output, self.cost),
                                                            1, self.cost) for s in strategies])
             return np.zeros(len(strategies))
-        return np.array([self._compute(node, s) for s in strategies])
+        return self.compute_runs.get(node, 1) * np.array([self._compute(node, s) for s in strategies])
 
     def _compute(self, node: fx.Node, strategy) -> float:
         if node not in self.flops:
@@ -331,11 +331,14 @@ class _Builder:
 
 def build_problem(program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival,
                   memory_budget: float = float("inf"), weights: dict | None = None,
-                  max_edge_variables: float = float("inf"), recomputed: set = frozenset()) -> ShardingProblem:
+                  max_edge_variables: float = float("inf"), recomputed: set = frozenset(),
+                  compute_runs: dict | None = None) -> ShardingProblem:
     """``arrival(node)``: the placements a user input arrives in (each rank's slice: Shard(0) on every axis).
     ``weights``: how many real nodes a captured node stands for (folded layers; absent: 1).
     ``recomputed``: saved activations not counted in memory (their layers may recompute them).
+    ``compute_runs``: how many times a step runs an op's compute (recomputed layers; absent: 1).
     Raises ``ProblemTooLarge`` as soon as the problem has more than ``max_edge_variables`` edge variables."""
-    problem = _Builder(program, space, cost, arrival, weights or {}, max_edge_variables, recomputed).build()
+    problem = _Builder(program, space, cost, arrival, weights or {}, max_edge_variables, recomputed,
+                       compute_runs or {}).build()
     problem.memory_budget = memory_budget
     return problem

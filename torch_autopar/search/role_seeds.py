@@ -74,10 +74,10 @@ def _input_placement(role: str, value) -> object:
     return Replicate() if role == "tp" or getattr(value, "ndim", 0) == 0 else Shard(0)
 
 
-def role_seeds(program: CapturedProgram, roles: tuple[str, ...], mesh_shape: tuple[int, ...]) -> dict:
+def role_seeds(program: CapturedProgram, roles: tuple[str, ...], mesh_shape: tuple[int, ...],
+               splits: dict[fx.Node, MatrixSplit]) -> dict:
     """Placements of parameters, buffers and user inputs for propagation under ``roles`` (one per mesh axis): the
-    layouts parameters are stored in."""
-    splits = megatron_splits(program) if "tp" in roles else {}
+    layouts parameters are stored in (``splits``: ``megatron_splits(program).splits``, used where a role is tp)."""
     seeds = {}
     for node in program.param_nodes.values():
         value = node.meta["val"]
@@ -101,31 +101,15 @@ def gathered_at_use(program: CapturedProgram, roles: tuple[str, ...], seeds: dic
     return gathered
 
 
-def split_matrices(program: CapturedProgram, roles: tuple[str, ...]) -> frozenset:
-    """The nodes holding tensor parallelism's split matrices (``megatron_splits``) as ops take them: the parameters
-    and their views and casts, in forward and backward. Propagation keeps them as they are and moves the
-    activations instead (``propagate``'s ``pinned``): left to DTensor's cheapest move, a small matrix is gathered
-    whole where the activation arrives split along the sequence, which undoes the split on the tp axis and, at
-    attention, leaves layouts no rule shards on any axis. Empty without a tp axis."""
-    if "tp" not in roles:
-        return frozenset()
-    pinned = set(megatron_splits(program))
-    for node in program.graph.graph.nodes:
-        if node.op == "call_function" and node.target in _VIEWS and len(node.all_input_nodes) == 1 \
-                and node.all_input_nodes[0] in pinned:
-            pinned.add(node)
-    return frozenset(pinned)
-
-
-def split_matrix_grads(program: CapturedProgram, roles: tuple[str, ...],
-                       mesh_shape: tuple[int, ...]) -> dict[fx.Node, dict[int, Shard]]:
+def split_matrix_grads(program: CapturedProgram, roles: tuple[str, ...], mesh_shape: tuple[int, ...],
+                       splits: dict[fx.Node, MatrixSplit]) -> dict[fx.Node, dict[int, Shard]]:
     """The op computing the gradient of each of tensor parallelism's split matrices (before any view or cast) →
     the placement its output must have on each tp axis: the matrix's own split, seen through the transposes
     between that op and the gradient. Propagation computes them so (``propagate``'s ``grad_outputs``). Left to
     DTensor's cheapest op, a weight gradient multiplies two activations split along the sequence into a partial
     sum of the whole matrix, which the gradient sync then reduces whole. A matrix too small to split on an axis
     (``role_seeds`` replicates it there) is left to DTensor."""
-    splits, required = megatron_splits(program) if "tp" in roles else {}, {}
+    required = {}
     for name, param in program.param_nodes.items():
         node, dim = program.grad_nodes.get(name), _tp_dim(param.meta["val"], splits.get(param))
         axes = [axis for axis, role in enumerate(roles) if role == "tp" and dim is not None
@@ -141,8 +125,21 @@ def split_matrix_grads(program: CapturedProgram, roles: tuple[str, ...],
     return required
 
 
-def megatron_splits(program: CapturedProgram) -> dict[fx.Node, MatrixSplit]:
-    """Parameter node → its ``MatrixSplit``: walking the forward graph, a matrix multiply of a parameter (through
+class MegatronMatrices(NamedTuple):
+    """Tensor parallelism's split matrices (``megatron_splits``)."""
+
+    splits: dict[fx.Node, MatrixSplit]
+    """Parameter node → how it is split."""
+    held: frozenset
+    """The nodes holding the split matrices as ops take them: the parameters and their views and casts, in
+    forward and backward. Propagation keeps them as they are and moves the activations instead (``propagate``'s
+    ``pinned``): left to DTensor's cheapest move, a small matrix is gathered whole where the activation arrives
+    split along the sequence, which undoes the split on the tp axis and, at attention, leaves layouts no rule
+    shards on any axis."""
+
+
+def megatron_splits(program: CapturedProgram) -> MegatronMatrices:
+    """Each parameter's ``MatrixSplit``: walking the forward graph, a matrix multiply of a parameter (through
     views and casts) and an activation whole on the tensor-parallel axis splits the parameter by columns and leaves
     its output split; of an activation already split, by rows, and its output is whole again (a partial sum);
     any other op leaves its output split when some activation input is. Which dim of the stored matrix holds the
@@ -151,12 +148,14 @@ def megatron_splits(program: CapturedProgram) -> dict[fx.Node, MatrixSplit]:
     split: set[fx.Node] = set()
     splits: dict[fx.Node, MatrixSplit] = {}
     for node in program.graph.graph.nodes:
-        if node.op != "call_function" or program.is_backward(node):
+        if node.op != "call_function":
             continue
         inputs = node.all_input_nodes
-        if node.target in _VIEWS and len(inputs) == 1 and inputs[0] in origin:
+        if node.target in _VIEWS and len(inputs) == 1 and inputs[0] in origin:  # forward and backward
             param, swapped = origin[inputs[0]]
             origin[node] = (param, swapped ^ (node.target in _TRANSPOSES and node.meta["val"].ndim == 2))
+            continue
+        if program.is_backward(node):
             continue
         params = [origin[n][0] for n in inputs if n in origin]
         activations = [n for n in inputs if n not in origin]
@@ -171,7 +170,7 @@ def megatron_splits(program: CapturedProgram) -> dict[fx.Node, MatrixSplit]:
                 split.add(node)
         elif any(n in split for n in activations):
             split.add(node)
-    return splits
+    return MegatronMatrices(splits, frozenset(node for node, (param, _) in origin.items() if param in splits))
 
 
 def _output_dim(matmul: fx.Node, operand: fx.Node, swapped: bool) -> int:

@@ -12,6 +12,7 @@ per phase when the plan reshards. Must never choose a layout.
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch.fx as fx
@@ -23,10 +24,40 @@ ELEMENT_VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", 
                            "alias", "detach"})
 """Views that keep every element of their input (a slice or an expand does not): a gather of one moves the
 bytes its root's gather moves."""
+CHEAP = ELEMENT_VIEWS | {"split", "split_with_sizes", "cat", "slice", "narrow", "clone", "contiguous",
+                         "constant_pad_nd", "_to_copy", "convert_element_type", "copy"}
+"""Ops the program makes again with a gather when it frees the gathered copy after forward (``rewrite.reshard``)
+where they read only the gather or its parameter: copies and views, no compute."""
 
 
 def _name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def is_cheap(node: fx.Node) -> bool:
+    """Whether ``node`` is one of the ``CHEAP`` ops (or a mixed-precision cast)."""
+    if node.op != "call_function":
+        return False
+    return node.target is operator.getitem or node.target in CASTS or _name(node) in CHEAP
+
+
+def param_of(root: fx.Node) -> fx.Node:
+    """The parameter a gathered root is (or is the mixed-precision cast of)."""
+    return root if root.op == "placeholder" else root.all_input_nodes[0]
+
+
+def view_read_by_backward(program, consumer: fx.Node) -> bool:
+    """Whether ``consumer``, an op taking a gathered parameter, is a cheap op made of the gathered copy that
+    backward reads (itself, or through further cheap ops): freed after forward, the copy is then gathered again
+    for backward (``rewrite.reshard`` tags the chain for recomputation)."""
+    pending = [consumer] if is_cheap(consumer) else []
+    while pending:
+        for user in pending.pop().users:
+            if program.is_backward(user):
+                return True
+            if is_cheap(user):
+                pending.append(user)
+    return False
 
 
 def is_element_view(node: fx.Node) -> bool:

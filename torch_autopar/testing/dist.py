@@ -1,8 +1,10 @@
-"""Run a function on N spawned gloo ranks with a timeout, or plan on a fake process group of any size.
+"""Run a function on N gloo ranks (processes of their own) with a timeout, or plan on a fake process group.
 
-``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes, initialises gloo with a
-``timeout_s`` for every collective, calls ``fn(rank, world_size, *args)`` in each, and returns the per-rank
-results in rank order. A rank that raises, hangs or dies fails the whole call with that rank's traceback
+``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes (by default forked from a fork server that
+has imported torch and torch_autopar once, ``PRELOADED``: a job starts in a fraction of a second, not the seconds
+of CPU each rank's imports cost; each rank gets the caller's environment as it is at the call, and its working
+directory and import path, as a spawned process does), initialises gloo with a ``timeout_s`` for every
+collective, calls ``fn(rank, world_size, *args)`` in each, and returns the per-rank results in rank order. A rank that raises, hangs or dies fails the whole call with that rank's traceback
 (``allow_death=True``: a rank killed on purpose gives None instead, and the others run on); nothing is left
 running. Must never be imported by library code.
 """
@@ -32,6 +34,7 @@ def _free_port() -> int:
 
 
 def _worker(rank, world_size, port, timeout_s, fn, args, out_dir, env, init):
+    os.environ.clear()  # the caller's environment at the call, not the fork server's from its start
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -58,15 +61,18 @@ class RankFailure(AssertionError):
 
 
 def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, env: dict | None = None,
-                 init: bool = True, allow_death: bool = False) -> list:
+                 init: bool = True, allow_death: bool = False, start_method: str = "forkserver") -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order.
 
     init: False leaves the process group to ``fn`` (e.g. ``autopar.init(timeout=...)``; the torchrun variables
     are set). allow_death: a rank that ends without a result (killed by a signal) gives None rather than
     failing the call, and the others are waited for (up to ``timeout_s`` + 60 s).
+    start_method: "forkserver" (ranks forked from a process that imported ``PRELOADED`` once: they share its
+    Python hash seed, and variables torch reads at import come from its start) or "spawn" (fresh interpreters,
+    each with a hash seed of its own, as torchrun's: slower, and what checks that ranks agree without sharing one).
     The rendezvous port is picked free and released before the ranks bind it; if another process took it in
     between ("address already in use"), the job is started once more on a new port."""
-    options = (timeout_s, env or {}, init, allow_death)
+    options = (timeout_s, {**os.environ, **(env or {})}, init, allow_death, start_method)
     try:
         return _run_once(fn, world_size, args, *options)
     except RankFailure as error:
@@ -75,10 +81,17 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, env: dict
         return _run_once(fn, world_size, args, *options)
 
 
-def _run_once(fn, world_size: int, args: tuple, timeout_s: float, env: dict, init: bool, allow_death: bool) -> list:
+PRELOADED = ("torch_autopar", "torch_autopar.testing.dist", "torch_autopar.testing.models")
+"""What the fork server imports once, so that each rank starts from a fork of a process that has them (importing
+torch and torch_autopar anew costs each rank seconds of CPU, the most of a small job's time on a few cores)."""
+
+
+def _run_once(fn, world_size: int, args: tuple, timeout_s: float, env: dict, init: bool, allow_death: bool,
+              start_method: str) -> list:
+    mp.get_context("forkserver").set_forkserver_preload(list(PRELOADED))
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(_worker, args=(world_size, _free_port(), timeout_s, fn, args, out_dir, env, init),
-                                     nprocs=world_size, join=False, start_method="spawn")
+                                     nprocs=world_size, join=False, start_method=start_method)
         deadline = time.monotonic() + timeout_s + 60
         try:
             _wait_for_ranks(context.processes, deadline, out_dir, world_size, allow_death)
@@ -88,9 +101,9 @@ def _run_once(fn, world_size: int, args: tuple, timeout_s: float, env: dict, ini
 
 
 def _wait_for_ranks(processes, deadline: float, out_dir: str, world_size: int, allow_death: bool) -> None:
-    """Wait until every rank has exited. A rank's exit is read from its exit code (``waitpid``), never only from
-    its sentinel pipe, which a process the rank forked (a DataLoader worker) may still hold open after the rank
-    ended. A rank that exits with an error without writing a result fails the call at once (its peers would
+    """Wait until every rank has exited. A rank's exit is read from its exit code (``waitpid`` of a spawned rank,
+    the fork server's report of a forked one), never only from its sentinel pipe, which a process the rank forked
+    (a DataLoader worker) may still hold open after the rank ended. A rank that exits with an error without writing a result fails the call at once (its peers would
     wait for it until their collective timeout), unless ``allow_death``."""
     while True:
         codes = [process.exitcode for process in processes]
