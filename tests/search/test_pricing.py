@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from torch_autopar.capture import capture
+from torch_autopar.capture.fold import folded_layers
 from torch_autopar.cost import get_profile
 from torch_autopar.launch import offline_mesh
 from torch_autopar.search import Planner
@@ -91,3 +92,23 @@ def test_objective_prices_the_recomputation_of_a_fixed_policy(policy):
             assert plan.search_stats["objective_s"] == pytest.approx(_solved_part(plan), rel=1e-9), strategy
         compared = next(note for note in planner.plan("auto").notes if note.startswith("auto compared"))
         assert "fully_shard, tensor_parallel, fsdp_tp not solved" in compared, compared
+
+
+def test_objective_prices_a_choice_of_some_folded_layers():
+    """Folded layers: the captured middle block stands for 4 real ones, of which a chosen few recompute (one
+    fully, one selectively): the search prices the share of each captured op that runs again, as the estimate
+    adds each real layer's recompute."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=6))
+        tokens = torch.zeros(8, 32, dtype=torch.long, device="meta")
+        with folded_layers(model) as folding:
+            program = capture(model, (tokens,), {})
+    assert folding.lengths == {"blocks": 6}
+    choice = {"blocks.0": "full", "blocks.2": "full", "blocks.4": "selective"}
+    with offline_mesh((2, 2), MESHES[(2, 2)]) as mesh:
+        planner = Planner(program, mesh, MESHES[(2, 2)], hardware=get_profile("h100"), folding=folding,
+                          activation_checkpointing=choice)
+        for strategy in _strategies((2, 2))[1:]:
+            plan = planner.plan(strategy)
+            assert plan.activation_checkpointing == choice, strategy
+            assert plan.search_stats["objective_s"] == pytest.approx(_solved_part(plan), rel=1e-9), strategy
