@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import torch_autopar as autopar
 from torch_autopar import _compat
-from torch_autopar.runtime.comm_count import CollectiveCounter
+from torch_autopar.runtime.comm_count import CollectiveCounter, planned_summary
 from torch_autopar.testing.models import GPT, MLP, Llama, LlamaConfig, SmallCNN, gpt_loss
 
 STEPS = 3
@@ -157,6 +157,22 @@ def counted_step(pmodel, model_name: str, optimizer, x, y, mode: str):
             counted = Counter()
     optimizer.step()
     return loss.item(), counted
+
+
+def counted_training(pmodel, model: nn.Module, model_name: str, rank: int, world: int, mode: str,
+                     optimizer_name: str = "adamw") -> dict:
+    """``STEPS`` steps of a compiled module on this rank's slices, each counted (``counted_step``): the losses,
+    the full parameters after them, each step's collectives and the plan's (``planned_summary``)."""
+    optimizer = make_optimizer(optimizer_name, pmodel.parameters())
+    losses, counts = [], []
+    for step in range(STEPS):
+        x, y = global_batch(model_name, step)
+        loss, counted = counted_step(pmodel, model_name, optimizer, x.chunk(world)[rank], y.chunk(world)[rank], mode)
+        losses.append(loss)
+        counts.append(dict(counted))
+    state = pmodel.state_dict()
+    return {"losses": losses, "params": {name: state[name].clone() for name, _ in model.named_parameters()},
+            "counted": counts, "planned": dict(planned_summary(pmodel.plan))}
 
 
 def megatron_plan(model, global_x, mesh, full_batch: bool = False):

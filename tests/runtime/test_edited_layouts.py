@@ -24,7 +24,6 @@ from unittest import mock
 import pytest
 
 import torch_autopar as autopar
-from torch_autopar.runtime.comm_count import planned_summary
 from torch_autopar.search.plan import NodeLayout
 from torch_autopar.testing import run_on_ranks
 from tests import support
@@ -54,17 +53,7 @@ def _run(rank, world, mode, edit):
         searched = autopar.plan(model, (x,), mesh_shape=(world,), strategy="fully_shard", hardware="cpu-gloo",
                                 fold_layers=False, mode="graph")
     pmodel = autopar.compile(model, x.chunk(world)[rank], strategy=_edit(searched, edit), mode=mode)
-    optimizer = support.make_optimizer("adamw", pmodel.parameters())
-    losses, counts = [], []
-    for step in range(support.STEPS):
-        x, y = support.global_batch("mlp", step)
-        loss, counted = support.counted_step(pmodel, "mlp", optimizer, x.chunk(world)[rank], y.chunk(world)[rank],
-                                             mode)
-        losses.append(loss)
-        counts.append(dict(counted))
-    state = pmodel.state_dict()
-    return {"losses": losses, "params": {name: state[name].clone() for name, _ in model.named_parameters()},
-            "counted": counts, "planned": dict(planned_summary(pmodel.plan)),
+    return {**support.counted_training(pmodel, model, "mlp", rank, world, mode),
             "collectives": Counter((c.kind, c.nbytes, c.phase) for c in pmodel.plan.collectives for _ in range(c.count)),
             "off_plan": pmodel.plan.search_stats.get("off_plan_ops", [])}
 

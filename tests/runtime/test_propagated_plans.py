@@ -12,7 +12,6 @@ import functools
 import pytest
 
 import torch_autopar as autopar
-from torch_autopar.runtime.comm_count import planned_summary
 from torch_autopar.testing import run_on_ranks
 from tests import support
 
@@ -34,17 +33,7 @@ def _run(rank, world, plan, mode):
     model = support.build_model("llama")
     x, _ = support.global_batch("llama", 0)
     pmodel = autopar.compile(model, x.chunk(world)[rank], strategy=plan, mesh=MESH, mode=mode)
-    optimizer = support.make_optimizer("adamw", pmodel.parameters())
-    losses, counts = [], []
-    for step in range(support.STEPS):
-        x, y = support.global_batch("llama", step)
-        loss, counted = support.counted_step(pmodel, "llama", optimizer, x.chunk(world)[rank], y.chunk(world)[rank],
-                                             mode)
-        losses.append(loss)
-        counts.append(dict(counted))
-    state = pmodel.state_dict()
-    return {"losses": losses, "params": {name: state[name].clone() for name, _ in model.named_parameters()},
-            "counted": counts, "planned": dict(planned_summary(pmodel.plan))}
+    return support.counted_training(pmodel, model, "llama", rank, world, mode)
 
 
 def _job(rank, world, plans):
