@@ -129,8 +129,8 @@ def _anomaly(strategy):
 
 
 def _job(rank, world, directory):
-    # Ranks spawned by run_on_ranks inherit "spawn", which would re-import torch in every DataLoader worker
-    # (seconds each); torchrun's ranks fork their workers, as Linux does by default.
+    # A rank may inherit its launcher's start method ("spawn", "forkserver"), which would re-import torch in
+    # every DataLoader worker (seconds each); torchrun's ranks fork their workers, as Linux does by default.
     multiprocessing.set_start_method("fork", force=True)
     return {"accumulate_dp": _accumulation("data_parallel"), "accumulate_fsdp": _accumulation("fully_shard"),
             "clip": _clip_and_schedule(), "inputs": _inputs(rank, world),

@@ -119,28 +119,30 @@ def _moved_value(node: fx.Node, arg_index: int) -> fx.Node:
 
 def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
                         axis_names, once_per_value: bool = False, reshard_after_forward: bool = True,
-                        kept: frozenset = frozenset()) -> None:
+                        kept: frozenset = frozenset(), regather_views: bool = True) -> None:
     """The collectives of every redistribution; ``once_per_value``: a value moved to one layout is moved once
     for all its consumers (graph mode's program), else once per consumer (DTensor in eager mode); there a view of
     a parameter is gathered as its parameter (``strategies.param_gathers``): once per step, or once per phase
     with ``reshard_after_forward`` unless the parameter (node) is in ``kept`` (``Plan.kept_gathered``). A gathered
     copy that backward reads through a view made of it in forward (a weight used by its transpose, which both
-    products read) is gathered again for backward when the plan frees it after forward: in graph mode every
-    parameter's (``rewrite.reshard``), in eager mode a layer's (``runtime.fsdp``; the root group stays)."""
+    products read) is gathered again for backward when the plan frees it after forward, once: in graph mode every
+    parameter's (``rewrite.reshard``), in eager mode a layer's (``runtime.fsdp``; the root group stays).
+    ``regather_views`` False leaves that out (eager execution's pricing notes its groups' regathers itself)."""
     by_name = {node.name: node for node in program.graph.graph.nodes}
     in_layers = {program.param_nodes[name] for names in reshard_groups(program.param_nodes).values()
                  for name in names}
+    params = set(program.param_nodes.values())
     done = set()
     for redistribution in sharding.redistributions:
         node = by_name[redistribution.node]
         key = (_moved_value(node, redistribution.arg_index), tuple(redistribution.target))
-        gather = _gather_key(program, sharding, redistribution, key[0], reshard_after_forward, kept)
+        gather = _gather_key(params, sharding, redistribution, key[0], reshard_after_forward, kept)
         param = None if gather is None else param_gathers.param_of(gather[0])
         resharded = reshard_after_forward and param is not None and param not in kept
-        if resharded and not redistribution.backward and (once_per_value or param in in_layers) \
+        if resharded and regather_views and not redistribution.backward and (once_per_value or param in in_layers) \
                 and param_gathers.view_read_by_backward(program, node):
             again = param_gathers.gather_key(gather[0], gather[1], True, True)
-            if not once_per_value or again not in done:
+            if again not in done:
                 done.add(again)
                 _add_moves(estimate, cost, axis_names, redistribution, True, estimate.weight(node))
         if once_per_value:
@@ -162,11 +164,10 @@ def _add_moves(estimate: Estimate, cost: CostModel, axis_names, redistribution, 
             where=redistribution.node, seconds=cost.collective_time(c.kind, c.axis, c.nbytes), count=count))
 
 
-def _gather_key(program: CapturedProgram, sharding: Sharding, redistribution, moved: fx.Node,
+def _gather_key(params: set, sharding: Sharding, redistribution, moved: fx.Node,
                 reshard_after_forward: bool, kept: frozenset) -> tuple | None:
-    """The key graph mode's program gathers ``moved`` under when it is a view of a parameter (its parameter's
-    gather, ``param_gathers.gather_key``); None for any other move."""
-    params = set(program.param_nodes.values())
+    """The key graph mode's program gathers ``moved`` under when it is a view of a parameter (one of ``params``;
+    its parameter's gather, ``param_gathers.gather_key``); None for any other move."""
     root = param_gathers.gathered_root(moved, params.__contains__)
     layout = _placements(sharding.specs.get(root)) if root is not None else None
     wanted = None if layout is None else param_gathers.root_target(

@@ -47,16 +47,22 @@ def param_of(root: fx.Node) -> fx.Node:
 
 
 def view_read_by_backward(program, consumer: fx.Node) -> bool:
-    """Whether ``consumer``, an op taking a gathered parameter, is a cheap op made of the gathered copy that
-    backward reads (itself, or through further cheap ops): freed after forward, the copy is then gathered again
-    for backward (``rewrite.reshard`` tags the chain for recomputation)."""
-    pending = [consumer] if is_cheap(consumer) else []
+    """Whether ``consumer``, an op taking a gathered parameter, is a cheap op made of gathered parameters only that
+    backward reads (itself, or through further such ops): freed after forward, the copy is then gathered again
+    for backward, the chain made again with it (``rewrite.reshard`` tags an op for that when it is cheap and all
+    its inputs are tagged; one that also reads an activation is kept by autograd instead)."""
+    params = set(program.param_nodes.values())
+    made = {node for node in consumer.all_input_nodes if gathered_root(node, params.__contains__) is not None}
+    pending = [consumer]
     while pending:
-        for user in pending.pop().users:
+        node = pending.pop()
+        if not is_cheap(node) or not set(node.all_input_nodes) <= made:
+            continue
+        made.add(node)
+        for user in node.users:
             if program.is_backward(user):
                 return True
-            if is_cheap(user):
-                pending.append(user)
+            pending.append(user)
     return False
 
 

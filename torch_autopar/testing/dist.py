@@ -4,9 +4,10 @@
 has imported torch and torch_autopar once, ``PRELOADED``: a job starts in a fraction of a second, not the seconds
 of CPU each rank's imports cost; each rank gets the caller's environment as it is at the call, and its working
 directory and import path, as a spawned process does), initialises gloo with a ``timeout_s`` for every
-collective, calls ``fn(rank, world_size, *args)`` in each, and returns the per-rank results in rank order. A rank that raises, hangs or dies fails the whole call with that rank's traceback
-(``allow_death=True``: a rank killed on purpose gives None instead, and the others run on); nothing is left
-running. Must never be imported by library code.
+collective, calls ``fn(rank, world_size, *args)`` in each, and returns the per-rank results in rank order.
+A rank that raises, hangs or dies fails the whole call with that rank's traceback (``allow_death=True``: a
+rank killed on purpose gives None instead, and the others run on); nothing is left running. Must never be
+imported by library code.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def _run_once(fn, world_size: int, args: tuple, timeout_s: float, env: dict, ini
 def _wait_for_ranks(processes, deadline: float, out_dir: str, world_size: int, allow_death: bool) -> None:
     """Wait until every rank has exited. A rank's exit is read from its exit code (``waitpid`` of a spawned rank,
     the fork server's report of a forked one), never only from its sentinel pipe, which a process the rank forked
-    (a DataLoader worker) may still hold open after the rank ended. A rank that exits with an error without writing a result fails the call at once (its peers would
-    wait for it until their collective timeout), unless ``allow_death``."""
+    (a DataLoader worker) may still hold open after the rank ended. A rank that exits with an error without writing
+    a result fails the call at once (its peers would wait for it until their collective timeout), unless
+    ``allow_death``."""
     while True:
         codes = [process.exitcode for process in processes]
         dead = [rank for rank, code in enumerate(codes)
