@@ -140,7 +140,7 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
         param = None if gather is None else param_gathers.param_of(gather[0])
         resharded = reshard_after_forward and param is not None and param not in kept
         if resharded and regather_views and not redistribution.backward and (once_per_value or param in in_layers) \
-                and param_gathers.view_read_by_backward(program, node):
+                and param_gathers.view_read_by_backward(program, node, params.__contains__):
             again = param_gathers.gather_key(gather[0], gather[1], True, True)
             if again not in done:
                 done.add(again)

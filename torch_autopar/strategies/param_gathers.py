@@ -46,13 +46,12 @@ def param_of(root: fx.Node) -> fx.Node:
     return root if root.op == "placeholder" else root.all_input_nodes[0]
 
 
-def view_read_by_backward(program, consumer: fx.Node) -> bool:
+def view_read_by_backward(program, consumer: fx.Node, is_param: Callable[[fx.Node], bool]) -> bool:
     """Whether ``consumer``, an op taking a gathered parameter, is a cheap op made of gathered parameters only that
     backward reads (itself, or through further such ops): freed after forward, the copy is then gathered again
     for backward, the chain made again with it (``rewrite.reshard`` tags an op for that when it is cheap and all
     its inputs are tagged; one that also reads an activation is kept by autograd instead)."""
-    params = set(program.param_nodes.values())
-    made = {node for node in consumer.all_input_nodes if gathered_root(node, params.__contains__) is not None}
+    made = {node for node in consumer.all_input_nodes if gathered_root(node, is_param) is not None}
     pending = [consumer]
     while pending:
         node = pending.pop()
