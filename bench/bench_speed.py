@@ -274,6 +274,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worlds", default=None, help="comma-separated world sizes (default 2,4; quick: 2)")
     parser.add_argument("--workloads", default=None, help="default: all (quick: all but resnet50_64px)")
+    parser.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(VARIANTS)}")
     parser.add_argument("--profile", choices=("measured", "builtin"), default="measured",
                         help="what autopar plans with: this machine's measured profile, cached per world size as "
                              "compile(hardware='measured') caches it (default), or the built-in cpu-gloo")
@@ -281,6 +282,11 @@ def main() -> None:
     worlds = [int(w) for w in (args.worlds or ("2" if args.quick else "2,4")).split(",")]
     default = list(FOUR_RANK_WORKLOADS) if args.quick else list(WORKLOADS)
     variants = [v for v in VARIANTS if not args.quick or v in QUICK_VARIANTS]
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(VARIANTS)
+        if unknown:
+            parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+        variants = args.variants.split(",")
     options = {"workloads": args.workloads.split(",") if args.workloads else default, "variants": variants, "warmup": 2 if args.quick else 3,
                "rounds": 2 if args.quick else 4, "steps_per_round": 5 if args.quick else 5, "profile": args.profile}
     started = time.perf_counter()

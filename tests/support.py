@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import torch_autopar as autopar
 from torch_autopar import _compat
+from torch_autopar.capture.program import tensor_nbytes
 from torch_autopar.runtime.comm_count import CollectiveCounter, planned_summary
 from torch_autopar.testing.models import GPT, MLP, Llama, LlamaConfig, SmallCNN, gpt_loss
 
@@ -299,3 +300,27 @@ class StackedMLP(nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return self.head(torch.relu(x))
+
+
+def regathered(graph) -> Counter:
+    """The parameter gathers the partitioner runs again in backward (``rewrite.reshard``): those tagged for
+    recomputation whose value (through other tagged nodes) both a forward op and a backward op (one that depends
+    on a tangent) read; one read by backward alone runs there once."""
+    backward = set(n for n in graph.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
+    for node in graph.graph.nodes:
+        if any(arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+    tagged = lambda n: "recompute" in n.meta  # noqa: E731
+
+    def readers(node) -> set:
+        found = set()
+        for user in node.users:
+            found |= readers(user) if tagged(user) else {user}
+        return found
+
+    counts = Counter()
+    for node in graph.graph.find_nodes(op="call_function", target=_compat.functional_all_gather()):
+        read = readers(node)
+        if tagged(node) and read & backward and read - backward:
+            counts[("all_gather", tensor_nbytes(node.meta["val"]))] += 1
+    return counts

@@ -17,9 +17,7 @@ import pytest
 import torch
 
 import torch_autopar as autopar
-from torch_autopar import _compat
 from torch_autopar.capture import capture
-from torch_autopar.capture.program import tensor_nbytes
 from torch_autopar.cost import pricing
 from torch_autopar.runtime.backend import graph_collectives
 from torch_autopar.runtime.sharded import ShardedRunner
@@ -27,6 +25,8 @@ from torch_autopar.search import DEFAULT_BUCKET_CAP_BYTES
 from torch_autopar.strategies import parse_placements
 from torch_autopar.testing import fake_process_group
 from torch_autopar.testing.models import GPT
+
+from tests import support
 
 WORLD = 2
 SMALL_CAP = 4096
@@ -93,35 +93,11 @@ def _grad_syncs(plan) -> list:
     return [c for c in plan.collectives if c.phase == "grad_sync"]
 
 
-def _regathered(graph) -> Counter:
-    """The parameter gathers the partitioner runs again in backward (``rewrite.reshard``): those tagged for
-    recomputation whose value (through other tagged nodes) both a forward op and a backward op (one that depends
-    on a tangent) read; one read by backward alone runs there once."""
-    backward = set(n for n in graph.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
-    for node in graph.graph.nodes:
-        if any(arg in backward for arg in node.all_input_nodes):
-            backward.add(node)
-    tagged = lambda n: "recompute" in n.meta  # noqa: E731
-
-    def readers(node) -> set:
-        found = set()
-        for user in node.users:
-            found |= readers(user) if tagged(user) else {user}
-        return found
-
-    counts = Counter()
-    for node in graph.graph.find_nodes(op="call_function", target=_compat.functional_all_gather()):
-        read = readers(node)
-        if tagged(node) and read & backward and read - backward:
-            counts[("all_gather", tensor_nbytes(node.meta["val"]))] += 1
-    return counts
-
-
 @pytest.mark.parametrize("cap", [DEFAULT_BUCKET_CAP_BYTES, 0])
 def test_program_runs_the_plans_collectives(plans, cap):
     plan = plans[cap]
     graph = _traced(plan)
-    ran = Counter((kind, nbytes) for kind, _, nbytes in graph_collectives(graph)) + _regathered(graph)
+    ran = Counter((kind, nbytes) for kind, _, nbytes in graph_collectives(graph)) + support.regathered(graph)
     planned = Counter()
     for c in plan.collectives:
         if not c.where.endswith("check"):  # the batch-size check runs outside the program

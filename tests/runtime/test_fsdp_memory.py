@@ -47,9 +47,10 @@ MODELS = ("blocks", "gpt")
 RUNS = ("fully_shard", "keep_gathered", "fsdp2", "data_parallel")
 GPT_CONFIG = GPTConfig(vocab_size=96, block_size=8, n_layer=8, n_head=2, n_embd=192)
 GRAPH = "gpt_graph"
-GPTS = {"gpt": (GPT_CONFIG, 4), GRAPH: (GPTConfig(vocab_size=96, block_size=8, n_layer=2, n_head=2, n_embd=192), 64)}
+GPTS = {"gpt": (GPT_CONFIG, 4), GRAPH: (GPTConfig(vocab_size=96, block_size=8, n_layer=4, n_head=2, n_embd=192), 64)}
 """Name → (config, global batch): graph mode's test runs a GPT on a batch large enough that its plan gathers the
-weights (on 4 sequences the search moves activations instead and leaves the weights sharded)."""
+weights (on 4 sequences the search moves activations instead and leaves the weights sharded), with four blocks:
+resharding frees blocks while a group's gather holds its flat buffer and its cuts at once (twice the block)."""
 DATA_PARALLEL_RATIO = {2: 0.6, 4: 0.4}
 EPS = 1e-6
 """AdamW's eps: with the default 1e-8, a gradient element of ~1e-8 (a ReLU unit almost dead on the batch) turns

@@ -1,8 +1,8 @@
 """Graph mode's ``reshard_after_forward`` (``rewrite.reshard``, ``strategies.param_gathers``): on 2 gloo ranks a
 fully_shard plan that gathers the BlockMLP's weights (a batch large enough that the search gathers weights, not
 activations) runs 3 AdamW steps equal to one process with and without resharding; the collectives counted each
-step equal the plan's list; resharding runs one more all_gather (in backward) per parameter backward reads, and
-its measured peak (``testing.memory``, the least of steps 2-3) is lower than keeping the gathered weights.
+step equal the plan's list; resharding runs one more all_gather (in backward) per group of parameters
+(``rewrite.gather_buckets``: a block, the root) that backward reads, and its measured peak (``testing.memory``, the least of steps 2-3) is lower than keeping the gathered weights.
 """
 
 from __future__ import annotations
@@ -117,9 +117,10 @@ def test_resharding_gathers_each_weight_backward_reads_once_more(ranks):
     gathers = lambda planned: Counter({k: n for k, n in planned.items() if k[0] == "all_gather"})  # noqa: E731
     for rank, r in enumerate(ranks):
         extra = gathers(r[True]["planned"]) - gathers(r[False]["planned"])
-        # every block's two weights but the first block's first (backward needs no gradient of the input), and
-        # the head's weight
-        assert sum(extra.values()) == 2 * BLOCKS, f"rank {rank}: {sorted(extra.items())}"
+        # each block's group, whose weights backward reads (the first block's second), and the root's (the head's
+        # weight), each gathered whole again: the very gather of its forward
+        assert sum(extra.values()) == BLOCKS + 1, f"rank {rank}: {sorted(extra.items())}"
+        assert not extra - gathers(r[False]["planned"]), f"rank {rank}: {sorted(extra.items())}"
         assert not gathers(r[False]["planned"]) - gathers(r[True]["planned"]), f"rank {rank}"
 
 

@@ -125,15 +125,17 @@ def test_fully_shard_on_256_ranks(gpt):
 
 
 def test_fully_shard_mlp_gathers_parameters_and_reduce_scatters_gradients():
-    """Large batch, exact search: each parameter all-gathered where used, its gradient reduce-scattered."""
+    """Large batch, exact search: each layer's parameters all-gathered together (graph mode's program gathers a
+    group with one collective: ``rewrite.gather_buckets``), each gradient reduce-scattered."""
     with torch.device("meta"):
         model = MLP((64, 128, 32))
     plan = autopar.plan(model, torch.empty(4096, 64, device="meta"), mesh_shape=(2,), hardware=BY_HAND,
                         strategy="fully_shard", bucket_cap_bytes=1, mode="graph")
     _assert_fully_sharded(plan, model, 2)
     sizes = _param_bytes(model)
-    assert sorted(c.nbytes for c in plan.collectives if c.kind == "all_gather" and c.phase == "forward") == \
-        sorted(sizes.values())
+    forward = {c.where: c.nbytes for c in plan.collectives if c.kind == "all_gather" and c.phase == "forward"}
+    assert forward == {f"layers.{i} parameters": sizes[f"layers.{i}.weight"] + sizes[f"layers.{i}.bias"]
+                       for i in (0, 1)}
     buckets = {f"bucket{i}": bucket for i, bucket in enumerate(plan.grad_buckets)}
     assert all(len(bucket) == 1 for bucket in buckets.values())
     synced = {buckets[c.where][0]: c.nbytes for c in plan.collectives if c.phase == "grad_sync"}

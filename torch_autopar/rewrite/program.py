@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch_autopar import _compat
 from torch_autopar.capture.program import _CapturableOutputs, fake_global_inputs
 from torch_autopar.errors import AutoparError
-from torch_autopar.rewrite import placement, reshard
+from torch_autopar.rewrite import gather_buckets, placement, reshard
 from torch_autopar.rewrite.grad_buckets import GradBuckets
 from torch_autopar.search.plan import Plan, params_of_groups
 from torch_autopar.strategies import boundary, param_gathers
@@ -61,6 +61,8 @@ class ProgramReport:
 
     unplanned: list[UnplannedMove] = field(default_factory=list)
     unlaid: list[str] = field(default_factory=list)
+    merged_gathers: int = 0
+    """Parameter gathers made as part of their group's one gather (``rewrite.gather_buckets``)."""
     regathered: int = 0
     """Parameter gathers tagged to run again in backward (``rewrite.reshard``; ``Plan.reshard_after_forward``)."""
 
@@ -332,6 +334,10 @@ class ShardedProgram:
                                                        names_from=module)
             self.graph, self.report = _rewrite(joint.graph_module, plan, mesh,
                                                placement.batch_size(fake_args, fake_kwargs), reduce_dtype)
+            groups = param_gathers.gather_groups(joint.params_spec)
+            self.report.merged_gathers = gather_buckets.bucket_parameter_gathers(
+                self.graph, lambda node: groups.get(_compat.param_target(node.meta["desc"]))
+                if _Rewriter._is_param(node) else None)
             if plan.reshard_after_forward:  # gathered parameters freed after forward, gathered again for backward
                 kept = params_of_groups(plan.kept_gathered, joint.params_spec)  # but those of the groups kept gathered
                 self.report.regathered = reshard.recompute_parameter_gathers(

@@ -127,11 +127,14 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
     copy that backward reads through a view made of it in forward (a weight used by its transpose, which both
     products read) is gathered again for backward when the plan frees it after forward, once: in graph mode every
     parameter's (``rewrite.reshard``), in eager mode a layer's (``runtime.fsdp``; the root group stays).
-    ``regather_views`` False leaves that out (eager execution's pricing notes its groups' regathers itself)."""
+    ``regather_views`` False leaves that out (eager execution's pricing notes its groups' regathers itself).
+    In graph mode a parameter's gather starting with an all-gather is its group's one all-gather
+    (``_GroupGathers``); eager execution's pricing has its own flat groups."""
     by_name = {node.name: node for node in program.graph.graph.nodes}
     in_layers = {program.param_nodes[name] for names in reshard_groups(program.param_nodes).values()
                  for name in names}
     params = set(program.param_nodes.values())
+    grouped = _GroupGathers(program, cost, axis_names) if once_per_value else None
     done = set()
     for redistribution in sharding.redistributions:
         node = by_name[redistribution.node]
@@ -144,7 +147,8 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
             again = param_gathers.gather_key(gather[0], gather[1], True, True)
             if again not in done:
                 done.add(again)
-                _add_moves(estimate, cost, axis_names, redistribution, True, estimate.weight(node))
+                _add_moves(estimate, cost, axis_names, redistribution, True, estimate.weight(node), gather[0],
+                           grouped)
         if once_per_value:
             key = gather or key
             if gather is not None and not (redistribution.backward or resharded or key in done) \
@@ -154,11 +158,61 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
             if key in done:
                 continue
         done.add(key)
-        _add_moves(estimate, cost, axis_names, redistribution, redistribution.backward, estimate.weight(node))
+        _add_moves(estimate, cost, axis_names, redistribution, redistribution.backward, estimate.weight(node),
+                   gather and gather[0], grouped)
+    if grouped is not None:
+        estimate.collectives += grouped.collectives()
 
 
-def _add_moves(estimate: Estimate, cost: CostModel, axis_names, redistribution, backward: bool, count) -> None:
-    for c in cost.moves(redistribution.source, redistribution.target, redistribution.global_nbytes):
+@dataclass
+class _GroupGathers:
+    """Graph mode's parameter gathers as its program makes them (``rewrite.gather_buckets``): the first
+    collective of each parameter's gather, an all-gather straight from its shard, joins its group's
+    (``param_gathers.gather_groups``) one all-gather per mesh axis, dtype and phase. A group gathered in forward
+    and needed again in backward (``rewrite.reshard``'s recomputation) is gathered whole in backward; a
+    parameter that only backward gathers joins the group's backward-only gather."""
+
+    program: CapturedProgram
+    cost: CostModel
+    axis_names: tuple
+    members: dict = field(default_factory=dict)
+    """(group, mesh axis, dtype, count, backward) → {root: bytes}."""
+
+    def __post_init__(self):
+        groups = param_gathers.gather_groups(self.program.param_nodes)
+        self.group_of = {node: groups[name] for name, node in self.program.param_nodes.items()}
+
+    def add(self, root: fx.Node, move, backward: bool, count: int) -> None:
+        """Take ``move``, the leading all-gather of a gather of ``root``, into its group's."""
+        key = (self.group_of[param_gathers.param_of(root)], move.axis, root.meta["val"].dtype, count, backward)
+        self.members.setdefault(key, {})[root] = move.nbytes
+
+    def collectives(self) -> list[PlannedCollective]:
+        gathers = []
+        for (group, axis, dtype, count, backward), members in self.members.items():
+            forward = self.members.get((group, axis, dtype, count, False), {})
+            if backward and members.keys() & forward.keys():  # the forward gather made again: whole
+                gathers.append(self._collective(group, axis, sum(forward.values()), True, count))
+                members = {root: n for root, n in members.items() if root not in forward}
+            if members:
+                gathers.append(self._collective(group, axis, sum(members.values()), backward, count))
+        return gathers
+
+    def _collective(self, group: str, axis: int, nbytes: int, backward: bool, count: int) -> PlannedCollective:
+        return PlannedCollective(kind="all_gather", axis=self.axis_names[axis], nbytes=nbytes,
+                                 phase="backward" if backward else "forward", where=f"{group or 'root'} parameters",
+                                 seconds=self.cost.collective_time("all_gather", axis, nbytes), count=count)
+
+
+def _add_moves(estimate: Estimate, cost: CostModel, axis_names, redistribution, backward: bool, count,
+               root: fx.Node | None = None, grouped: _GroupGathers | None = None) -> None:
+    """The collectives of ``redistribution``; where it gathers the parameter ``root`` starting with an
+    all-gather in graph mode, that one joins its group's (``grouped``)."""
+    moves = cost.moves(redistribution.source, redistribution.target, redistribution.global_nbytes)
+    if grouped is not None and root is not None and moves and moves[0].kind == "all_gather":
+        grouped.add(root, moves[0], backward, count)
+        moves = moves[1:]
+    for c in moves:
         estimate.collectives.append(PlannedCollective(
             kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes, phase="backward" if backward else "forward",
             where=redistribution.node, seconds=cost.collective_time(c.kind, c.axis, c.nbytes), count=count))

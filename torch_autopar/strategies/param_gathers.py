@@ -18,7 +18,7 @@ from typing import Callable
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
-from torch_autopar.capture.layers import CASTS
+from torch_autopar.capture.layers import CASTS, reshard_groups
 
 ELEMENT_VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "reshape", "unsqueeze", "squeeze",
                            "alias", "detach"})
@@ -39,6 +39,35 @@ def is_cheap(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     return node.target is operator.getitem or node.target in CASTS or _name(node) in CHEAP
+
+
+def gather_groups(names) -> dict[str, str]:
+    """Parameter name → its group, whose gathers graph mode's program makes as one all-gather per process group,
+    dtype and phase (``rewrite.gather_buckets``; ``search.estimate`` prices them so): a layer of
+    ``capture.layers.reshard_groups`` (what FSDP2 users wrap), or the root group "" for the others."""
+    names = list(names)
+    group_of = {name: group for group, members in reshard_groups(names).items() for name in members}
+    return {name: group_of.get(name, "") for name in names}
+
+
+def parameter_side(node: fx.Node, is_param: Callable[[fx.Node], bool]) -> tuple[set, set] | None:
+    """(the parameters, the cheap ops) ``node`` is made of, itself included, when it is made of parameters only
+    through ``CHEAP`` ops (a cast, a padding, a concatenation of flattened shards); None otherwise."""
+    params, ops, pending = set(), set(), [node]
+    while pending:
+        current = pending.pop()
+        if current in params or current in ops:
+            continue
+        if current.op == "placeholder":
+            if not is_param(current):
+                return None
+            params.add(current)
+        elif is_cheap(current) and current.all_input_nodes:
+            ops.add(current)
+            pending.extend(current.all_input_nodes)
+        else:
+            return None
+    return params, ops
 
 
 def param_of(root: fx.Node) -> fx.Node:
