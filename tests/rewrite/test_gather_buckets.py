@@ -81,7 +81,8 @@ def test_each_group_is_gathered_by_one_collective(traced):
 
 def test_program_runs_the_plans_gathers_one_latency_per_group(traced):
     plan, program, names, itemsize = traced
-    ran = Counter((kind, nbytes) for kind, _, nbytes in graph_collectives(program.graph)) + support.regathered(program.graph)
+    ran = Counter((kind, nbytes) for kind, _, nbytes in graph_collectives(program.graph))
+    ran += support.regathered(program.graph)
     planned = Counter()
     for c in plan.collectives:
         if not c.where.endswith("check"):  # the batch-size check runs outside the program

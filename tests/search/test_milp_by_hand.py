@@ -4,7 +4,7 @@ force over every choice of small problems.
 Set-up that keeps the hand computation exact: a 2-layer MLP (x @ W1^T + b1 → relu → @ W2^T + b2) on a mesh of
 2 devices, a hardware profile with no per-op overhead and unlimited memory bandwidth (so every op costs
 flops / (peak · efficiency): only the five matmuls count, the element-wise ops have no FLOPs), and one link
-with known alpha and bandwidth. With a large batch and small weights the optimum is data parallelism:
+with known alpha and bandwidth:
 
     compute = matmul FLOPs / 2 / (peak · efficiency)      (every matmul has a batch-sharded operand)
     all_reduce(n)            = 2(p-1)·alpha + 2(p-1)/p · n · beta      p = 2, beta = 1 / (bandwidth · comm_eff)
@@ -12,16 +12,14 @@ with known alpha and bandwidth. With a large batch and small weights the optimum
     backward = backward matmul FLOPs / 2 / (peak · efficiency)
     exposed(syncs, last) = max(last, Σ syncs − backward)   gradient syncs overlap backward, except the sync of
                                                           W1's gradient, which is ready last
-    data parallel = compute + exposed(all_reduce(n) per param, all_reduce(W1))
-    fully sharded = compute + Σ_params all_gather(n) per consumer + exposed(reduce_scatter(n) per param,
-                    reduce_scatter(W1))   (W2 is used twice: by the forward matmul and by the one computing dL/dh)
+    by_hand(sharded) = compute + one all_gather per layer of its sharded parameters' bytes (a layer's parameters
+                       are gathered together: one latency) + all_gather(W2) again when W2 is sharded (backward's
+                       dL/dh reads it) + exposed(reduce_scatter(n) per sharded param, all_reduce(n) per other)
 
-(the MILP's price; graph mode's program gathers each layer's weight and bias with one all-gather, and layer 1's
-again for backward, which its estimate prices: ``GRAPH_FULLY_SHARDED``)
-
-On a ring, all_gather + reduce_scatter = all_reduce: while Σ syncs − backward stays above the last sync, sharding
-a parameter used once costs exactly what replicating it does (a tie the memory budget breaks), sharding W2 costs
-one more all_gather; sharding them all exposes less of W1's sync than it costs in gathers.
+On a ring, all_gather + reduce_scatter = all_reduce, so sharding one parameter used once costs what replicating it
+does, but sharding both of a layer's parameters saves one latency (two reduce-scatters and one gather against two
+all-reduces): the optimum shards the first layer (W2, which backward reads too, costs a gather more), and the
+memory budget moves it from there.
 """
 
 from __future__ import annotations
@@ -83,9 +81,21 @@ def exposed(syncs, last):
     return max(last, sum(syncs) - BACKWARD)
 
 
+def by_hand(sharded: set) -> float:
+    """The step with the parameters named in ``sharded`` ("W1", "B1", "W2", "B2") sharded, the others replicated,
+    every activation batch-sharded."""
+    size = {"W1": W1, "B1": B1, "W2": W2, "B2": B2}
+    gathers = sum(all_gather(sum(size[n] for n in layer if n in sharded))
+                  for layer in (("W1", "B1"), ("W2", "B2")) if sharded & set(layer))
+    if "W2" in sharded:
+        gathers += all_gather(W2)
+    syncs = [reduce_scatter(size[n]) if n in sharded else all_reduce(size[n]) for n in ("W1", "B1", "W2", "B2")]
+    return COMPUTE + gathers + exposed(syncs, syncs[0])
+
+
 DATA_PARALLEL = COMPUTE + exposed([all_reduce(n) for n in (W1, B1, W2, B2)], all_reduce(W1))
-FULLY_SHARDED = (COMPUTE + sum(all_gather(n) for n in (W1, B1, B2)) + 2 * all_gather(W2)
-                 + exposed([reduce_scatter(n) for n in (W1, B1, W2, B2)], reduce_scatter(W1)))
+FIRST_LAYER_SHARDED = by_hand({"W1", "B1"})
+FULLY_SHARDED = by_hand({"W1", "B1", "W2", "B2"})
 
 GRAPH_FULLY_SHARDED = (COMPUTE + all_gather(W1 + B1) + 2 * all_gather(W2 + B2)
                        + exposed([reduce_scatter(n) for n in (W1, B1, W2, B2)], reduce_scatter(W1)))
@@ -142,20 +152,25 @@ def test_hand_costs_are_not_degenerate():
     not all of it (both branches of exposed() are taken)."""
     syncs = sum(all_reduce(n) for n in (W1, B1, W2, B2))
     assert all_reduce(W1) < syncs - BACKWARD < syncs
-    assert FULLY_SHARDED - DATA_PARALLEL > all_gather(W2)
+    assert by_hand(set()) == DATA_PARALLEL
+    assert FIRST_LAYER_SHARDED == pytest.approx(DATA_PARALLEL - ALPHA, rel=1e-9)  # a latency saved, as above
+    assert by_hand({"W1"}) == pytest.approx(DATA_PARALLEL, rel=1e-9)  # one parameter of a layer: a tie
+    assert FULLY_SHARDED - FIRST_LAYER_SHARDED > all_gather(W2)
     assert COMPUTE > 0.3 * DATA_PARALLEL and DATA_PARALLEL - COMPUTE > 0.3 * DATA_PARALLEL
 
 
-def test_optimum_is_data_parallel_cost_worked_out_by_hand(program):
+def test_optimum_shards_the_first_layer_cost_worked_out_by_hand(program):
     with offline_mesh((2,)) as mesh:
         problem = _problem(program, mesh)
         solution = milp.solve(problem)
-    assert solution.objective == pytest.approx(DATA_PARALLEL, rel=1e-6)
+    assert solution.objective == pytest.approx(FIRST_LAYER_SHARDED, rel=1e-6)
     assert milp.objective_of(problem, solution.choice) == pytest.approx(solution.objective, rel=1e-9)
     assert set(_forward_outputs(program, problem, solution.choice).values()) == {(Shard(0),)}
     assert _param_output(program, problem, solution.choice, "layers.1.weight") == (Replicate(),)
-    for name in ("layers.0.weight", "layers.0.bias", "layers.1.bias"):  # a tie: replicated or sharded, same cost
-        assert _param_output(program, problem, solution.choice, name) in {(Replicate(),), (Shard(0),), (Shard(1),)}
+    for name in ("layers.0.weight", "layers.0.bias"):
+        assert _param_output(program, problem, solution.choice, name) != (Replicate(),), name
+    # a tie: replicated or sharded, same cost
+    assert _param_output(program, problem, solution.choice, "layers.1.bias") in {(Replicate(),), (Shard(0),)}
 
 
 def test_objective_of_prices_the_data_parallel_choice_by_hand(program):
@@ -182,24 +197,28 @@ def test_small_batch_prefers_replicated_compute_over_gradient_sync(program):
 
 
 # the memory budget ---------------------------------------------------------------------------------------------
-def test_budget_just_below_data_parallel_shards_for_free(program):
+def test_budget_just_below_the_first_layer_sharded_shards_the_last_bias_for_free(program):
+    budget = DP_MEMORY - 2 * (W1 + B1) - 1
     with offline_mesh((2,)) as mesh:
-        problem = _problem(program, mesh, budget=DP_MEMORY - 1)
+        problem = _problem(program, mesh, budget=budget)
         solution = milp.solve(problem)
-    assert solution.objective == pytest.approx(DATA_PARALLEL, rel=1e-6)
-    assert _memory(problem, solution.choice) <= DP_MEMORY - 1
+    assert solution.objective == pytest.approx(FIRST_LAYER_SHARDED, rel=1e-6)
+    assert by_hand({"W1", "B1", "B2"}) == pytest.approx(FIRST_LAYER_SHARDED, rel=1e-9)
+    assert _memory(problem, solution.choice) <= budget
     sharded = {n for n in NAMES if _param_output(program, problem, solution.choice, n) != (Replicate(),)}
-    assert sharded and "layers.1.weight" not in sharded
+    assert sharded == {"layers.0.weight", "layers.0.bias", "layers.1.bias"}
 
 
-def test_budget_that_only_fits_with_w2_sharded_costs_one_more_all_gather(program):
+def test_budget_that_only_fits_with_w2_sharded_pays_its_gathers(program):
     all_but_w2 = DP_MEMORY - 2 * (W1 + B1 + B2)
     with offline_mesh((2,)) as mesh:
         fits = milp.solve(_problem(program, mesh, budget=all_but_w2))
         problem = _problem(program, mesh, budget=all_but_w2 - 1)
         tighter = milp.solve(problem)
-    assert fits.objective == pytest.approx(DATA_PARALLEL, rel=1e-6)
-    assert tighter.objective == pytest.approx(DATA_PARALLEL + all_gather(W2), rel=1e-6)
+    assert fits.objective == pytest.approx(FIRST_LAYER_SHARDED, rel=1e-6)
+    # what fits shards W1 and W2 (the bytes above all_but_w2): the cheapest such choice, by hand
+    fitting = [{"W1", "W2"} | extra for extra in (set(), {"B1"}, {"B2"}, {"B1", "B2"})]
+    assert tighter.objective == pytest.approx(min(by_hand(s) for s in fitting), rel=1e-6)
     assert tighter.objective < FULLY_SHARDED
     assert _param_output(program, problem, tighter.choice, "layers.1.weight") != (Replicate(),)
     assert MIN_MEMORY <= _memory(problem, tighter.choice) <= all_but_w2 - 1

@@ -94,7 +94,8 @@ def bucket_parameter_gathers(graph_module: fx.GraphModule, group_of: Callable[[f
         params, chain = side
         if len(params) != 1:
             continue
-        key = (group_of(next(iter(params))), gather.args[1], gather.args[2], gather.args[0].meta["val"].dtype, gather in forward)
+        shard = gather.args[0].meta["val"]
+        key = (group_of(next(iter(params))), gather.args[1], gather.args[2], shard.dtype, gather in forward)
         buckets[key].append((gather, waits[0], sorted(chain, key=order.__getitem__)))
     merged = 0
     for members in buckets.values():

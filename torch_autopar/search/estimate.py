@@ -119,7 +119,7 @@ def _moved_value(node: fx.Node, arg_index: int) -> fx.Node:
 
 def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
                         axis_names, once_per_value: bool = False, reshard_after_forward: bool = True,
-                        kept: frozenset = frozenset(), regather_views: bool = True) -> None:
+                        kept: frozenset = frozenset(), regather_views: bool = True, group_gathers: bool = True) -> None:
     """The collectives of every redistribution; ``once_per_value``: a value moved to one layout is moved once
     for all its consumers (graph mode's program), else once per consumer (DTensor in eager mode); there a view of
     a parameter is gathered as its parameter (``strategies.param_gathers``): once per step, or once per phase
@@ -128,18 +128,21 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
     products read) is gathered again for backward when the plan frees it after forward, once: in graph mode every
     parameter's (``rewrite.reshard``), in eager mode a layer's (``runtime.fsdp``; the root group stays).
     ``regather_views`` False leaves that out (eager execution's pricing notes its groups' regathers itself).
-    In graph mode a parameter's gather starting with an all-gather is its group's one all-gather
-    (``_GroupGathers``); eager execution's pricing has its own flat groups."""
+    A parameter's gather starting with an all-gather is part of its group's (``_GroupGathers``): one all-gather
+    per group, mesh axis and phase, as graph mode's program runs it and as the search prices a group's latency
+    (in eager mode as searched, of the bytes moved for every consumer; eager execution's pricing has its flat
+    groups)."""
     by_name = {node.name: node for node in program.graph.graph.nodes}
     in_layers = {program.param_nodes[name] for names in reshard_groups(program.param_nodes).values()
                  for name in names}
     params = set(program.param_nodes.values())
-    grouped = _GroupGathers(program, cost, axis_names) if once_per_value else None
+    grouped = _GroupGathers(program, cost, axis_names, once_per_value) if group_gathers else None
     done = set()
     for redistribution in sharding.redistributions:
         node = by_name[redistribution.node]
         key = (_moved_value(node, redistribution.arg_index), tuple(redistribution.target))
         gather = _gather_key(params, sharding, redistribution, key[0], reshard_after_forward, kept)
+        root = param_gathers.gathered_root(key[0], params.__contains__)  # a gather of it is its group's
         param = None if gather is None else param_gathers.param_of(gather[0])
         resharded = reshard_after_forward and param is not None and param not in kept
         if resharded and regather_views and not redistribution.backward and (once_per_value or param in in_layers) \
@@ -159,22 +162,24 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
                 continue
         done.add(key)
         _add_moves(estimate, cost, axis_names, redistribution, redistribution.backward, estimate.weight(node),
-                   gather and gather[0], grouped)
+                   root, grouped)
     if grouped is not None:
         estimate.collectives += grouped.collectives()
 
 
 @dataclass
 class _GroupGathers:
-    """Graph mode's parameter gathers as its program makes them (``rewrite.gather_buckets``): the first
-    collective of each parameter's gather, an all-gather straight from its shard, joins its group's
-    (``param_gathers.gather_groups``) one all-gather per mesh axis, dtype and phase. A group gathered in forward
-    and needed again in backward (``rewrite.reshard``'s recomputation) is gathered whole in backward; a
-    parameter that only backward gathers joins the group's backward-only gather."""
+    """Parameter gathers made per group: the first collective of each parameter's gather, an all-gather straight
+    from its shard, joins its group's (``param_gathers.gather_groups``) one all-gather per mesh axis, dtype and
+    phase. Graph mode's program (``once_per_value``, ``rewrite.gather_buckets``): a group gathered in forward
+    and needed again in backward (``rewrite.reshard``'s recomputation) is gathered whole in backward; a parameter
+    that only backward gathers joins the group's backward-only gather. Eager mode as searched: the bytes of every
+    consumer's move, one latency (the search's price, ``search.problem``)."""
 
     program: CapturedProgram
     cost: CostModel
     axis_names: tuple
+    once_per_value: bool
     members: dict = field(default_factory=dict)
     """(group, mesh axis, dtype, count, backward) → {root: bytes}."""
 
@@ -185,12 +190,13 @@ class _GroupGathers:
     def add(self, root: fx.Node, move, backward: bool, count: int) -> None:
         """Take ``move``, the leading all-gather of a gather of ``root``, into its group's."""
         key = (self.group_of[param_gathers.param_of(root)], move.axis, root.meta["val"].dtype, count, backward)
-        self.members.setdefault(key, {})[root] = move.nbytes
+        members = self.members.setdefault(key, {})
+        members[root] = members.get(root, 0) + move.nbytes
 
     def collectives(self) -> list[PlannedCollective]:
         gathers = []
         for (group, axis, dtype, count, backward), members in self.members.items():
-            forward = self.members.get((group, axis, dtype, count, False), {})
+            forward = self.members.get((group, axis, dtype, count, False), {}) if self.once_per_value else {}
             if backward and members.keys() & forward.keys():  # the forward gather made again: whole
                 gathers.append(self._collective(group, axis, sum(forward.values()), True, count))
                 members = {root: n for root, n in members.items() if root not in forward}
@@ -207,7 +213,7 @@ class _GroupGathers:
 def _add_moves(estimate: Estimate, cost: CostModel, axis_names, redistribution, backward: bool, count,
                root: fx.Node | None = None, grouped: _GroupGathers | None = None) -> None:
     """The collectives of ``redistribution``; where it gathers the parameter ``root`` starting with an
-    all-gather in graph mode, that one joins its group's (``grouped``)."""
+    all-gather, that one joins its group's (``grouped``)."""
     moves = cost.moves(redistribution.source, redistribution.target, redistribution.global_nbytes)
     if grouped is not None and root is not None and moves and moves[0].kind == "all_gather":
         grouped.add(root, moves[0], backward, count)

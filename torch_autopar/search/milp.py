@@ -10,12 +10,16 @@ Variables
                            (layouts, not strategies: many strategies share a layout)     (``_add_edge_vars``)
 
     g ≥ 0                  gradient synchronisation left on the step                   (``_exposed_grad_sync``)
+    z[k] ∈ [0, 1]          parameter group k (group, phase, mesh axis, weight) gathers   (``_group_gathers``)
 
 Objective (seconds per step)
     minimise  Σ_d Σ_a cost[d, a] · x[d, a]  +  Σ_{e not grad} Σ_p Σ_q C_e[p, q] · y[e, p, q]  +  g
+              +  Σ_k L_k · z[k]
     cost: compute of each strategy (times the members tied to d) and, for user inputs, resharding from the
     layout they arrive in; C_e: resharding between producer output and consumer requirement, gradient sync,
-    tangent layout, summed over all edges tied to e. Every term is priced by ``cost.pricing``, as a plan's
+    tangent layout, summed over all edges tied to e; L_k: the latency of one all-gather on k's axis (times the
+    layers k stands for), which a parameter's move starting with one pays with its group instead of in C_e (both
+    modes gather a group's parameters together). Every term is priced by ``cost.pricing``, as a plan's
     estimate prices it, so the optimum is the estimate of the plan returned (but for what no edge carries: a
     gathered parameter freed after forward and gathered again for backward through a view backward reads,
     gradients reduced in another dtype than the parameters', graph mode's program boundary).
@@ -29,10 +33,13 @@ Constraints
         g ≥ Σ_p Σ_q last_e · C_e[p, q] · y[e, p, q]    for the edge e of the gradient ready last
         gradient syncs overlap the backward compute (bwd: its share of cost) except the last one, which
         nothing follows (``cost.pricing.exposed_grad_sync``)                          (``_exposed_grad_sync``)
-    (6) x[d, a] = 0 for strategies a a named strategy forbids (data_parallel, fully_shard, ...): an upper
+    (6) z[k] ≥ Σ_{(p, q) starting with an all-gather on k's axis} y[e, p, q]   for every edge e of group k
+                                                                                       (``_group_gathers``)
+    (7) x[d, a] = 0 for strategies a a named strategy forbids (data_parallel, fully_shard, ...): an upper
         bound, so one problem serves every restriction                                 (``_Model.solve``)
 
-With x integral, (2)-(3) force y[e, p, q] = [u's layout is p] · [v needs q], so the objective is exact. Edges whose cost
+With x integral, (2)-(3) force y[e, p, q] = [u's layout is p] · [v needs q] and (6) z[k] = [any edge of k
+gathers on its axis], so the objective is exact. Edges whose cost
 matrix is all zero get no y variables. Must never build the problem (search.problem does).
 """
 
@@ -140,6 +147,13 @@ class _Model:
                 choices = [(self.x_offset[edge.consumer] + b, -1.0) for b in np.flatnonzero(edge.cols == q)]
                 self._row([(start + p * kq + q, 1.0) for p in range(kp)] + choices, 0.0, 0.0)
 
+    def _group_gathers(self) -> None:
+        for (_, _, axis, _), (seconds, keys) in self.problem.gather_groups().items():
+            z = self._new_vars([seconds], integral=False)
+            for key in keys:
+                gathering = np.flatnonzero(self.problem.edges[key].gather_axes.reshape(-1) == axis)
+                self._row([(self.y_offset[key] + int(i), 1.0) for i in gathering] + [(z, -1.0)], -np.inf, 0.0)
+
     def _memory_row(self) -> None:
         if np.isinf(self.problem.memory_budget):
             return
@@ -154,6 +168,7 @@ class _Model:
         self._edge_rows()
         self._memory_row()
         self._exposed_grad_sync()
+        self._group_gathers()
 
     def solve(self, time_limit_s: float, allowed: dict[int, list[int]] | None = None) -> Solution:
         started = time.perf_counter()
@@ -163,7 +178,7 @@ class _Model:
         upper = np.ones(n)
         if self.exposed_index is not None:
             upper[self.exposed_index] = np.inf  # seconds, not a 0/1 choice
-        for d, keep in (allowed or {}).items():  # restriction (5): x[d, a] = 0 for strategies not allowed
+        for d, keep in (allowed or {}).items():  # restriction (7): x[d, a] = 0 for strategies not allowed
             start = self.x_offset[d]
             upper[start:start + len(self.problem.decisions[d].strategies)] = 0.0
             upper[[start + a for a in keep]] = 1.0
@@ -217,4 +232,8 @@ def objective_of(problem: ShardingProblem, choice: list[int]) -> float:
     grad = sum(edge_cost(e) for e in problem.edges.values() if e.grad_sync)
     last = sum(e.last_share * edge_cost(e) for e in problem.edges.values() if e.grad_sync)
     backward = sum(float(d.backward_cost[a]) for d, a in zip(problem.decisions, choice))
+    for (_, _, axis, _), (seconds, keys) in problem.gather_groups().items():
+        edges = [problem.edges[key] for key in keys]
+        if any(e.gather_axes[e.rows[choice[e.producer]], e.cols[choice[e.consumer]]] == axis for e in edges):
+            total += seconds
     return total + exposed_grad_sync(grad, last, backward)

@@ -400,7 +400,8 @@ class Planner(Executing):
             est.add_compute(estimate, program, sharding, self.cost)
         est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names,
                                 once_per_value=self.mode == "graph", reshard_after_forward=self.reshard_after_forward,
-                                kept=self._kept_params, regather_views=as_searched)
+                                kept=self._kept_params, regather_views=as_searched,
+                                group_gathers=as_searched or self.mode == "graph")
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
                           lambda name: program.grad_nodes.get(fold.captured_name(name)), infos, self.reduce_dtype,
                           placements, self.axis_names, flat_nbytes)

@@ -22,6 +22,7 @@ from torch_autopar.capture.layers import find_repeated_layers
 from torch_autopar.cost import CostModel
 from torch_autopar.cost import pricing
 from torch_autopar.cost.ops import nbytes, node_flops
+from torch_autopar.strategies import param_gathers
 from torch_autopar.strategies.enumerate import StrategySpace
 
 
@@ -52,6 +53,15 @@ class Edge:
     """Gradient → parameter layout: overlaps backward compute instead of adding to the step."""
     last_share: float = 0.0
     """The share of ``cost`` that is the sync of the gradient ready last (that edge is never merged)."""
+    gather_axes: np.ndarray | None = None
+    """A parameter's edge: per (p, q) as ``cost``, the mesh axis of the move's leading all-gather, -1 where it
+    starts otherwise. That gather's latency is not in ``cost``: the parameter's group pays it once per phase and
+    mesh axis (``ShardingProblem.gather_groups``)."""
+    gathered: set = field(default_factory=set)
+    """Of a parameter's edge: (group, real ops its consumer stands for: folded weights) of each parameter it moves
+    (one, or one per tied layer)."""
+    gather_backward: bool = False
+    """Whether the parameter's edge leads to a backward op."""
 
     def matrix(self) -> np.ndarray:
         """The cost per (producer strategy, consumer strategy) pair."""
@@ -69,6 +79,23 @@ class ShardingProblem:
     strategy_of: dict[fx.Node, object] = field(default_factory=dict)
     """For nodes folded into another node's decision (followers): strategy index → their own NodeStrategy."""
     memory_budget: float = float("inf")
+    gather_latency: dict[int, float] = field(default_factory=dict)
+    """Mesh axis → seconds of one all-gather's latency there."""
+
+    def gather_groups(self) -> dict[tuple, tuple[float, list]]:
+        """(parameter group, backward, mesh axis, folded weight) → (seconds of latency it adds when any of its edges
+        gathers there, those edge keys): both modes gather a group's parameters together (``rewrite.gather_buckets``,
+        ``runtime.flat``), so the group pays one latency per phase and axis."""
+        groups: dict[tuple, tuple[float, list]] = {}
+        for key, edge in self.edges.items():
+            if edge.gather_axes is None:
+                continue
+            for axis in np.unique(edge.gather_axes[edge.gather_axes >= 0]).tolist():
+                for group, weight in edge.gathered:
+                    seconds, keys = groups.get((group, edge.gather_backward, axis, weight), (0.0, []))
+                    groups[(group, edge.gather_backward, axis, weight)] = (self.gather_latency[axis] * weight,
+                                                                         keys + [key])
+        return groups
 
     def node_strategy(self, node: fx.Node, choice: int):
         """The strategy ``node`` runs with when its decision takes strategy ``choice``."""
@@ -93,13 +120,15 @@ class ReshardTable:
     """Resharding time between pairs of placements, as ``latency + per_byte * nbytes``, each pair priced on first
     use (a 3-D mesh sees thousands of layouts; an edge needs only its producer's and consumer's).
 
-    Placements are interned to small integers so an edge's cost matrix is a grid of cached pairs."""
+    Placements are interned to small integers so an edge's cost matrix is a grid of cached pairs. A parameter's
+    move that starts with an all-gather can leave that gather's latency out (``leading_apart``): its group pays it
+    (``ShardingProblem.gather_groups``)."""
 
     def __init__(self, cost: CostModel):
         self.cost = cost
         self.ids: dict[tuple, int] = {}
         self.placements: list = []
-        self.pairs: dict[tuple[int, int], tuple[float, float]] = {}
+        self.pairs: dict[tuple[int, int], tuple[float, float, float, int]] = {}
 
     def index(self, placements) -> int:
         key = tuple(placements) if placements is not None else None
@@ -108,18 +137,34 @@ class ReshardTable:
             self.placements.append(key)
         return self.ids[key]
 
-    def coefficients(self, i: int, j: int) -> tuple[float, float]:
+    def coefficients(self, i: int, j: int) -> tuple[float, float, float, int]:
+        """(latency, seconds per global byte, latency of a leading all-gather, its mesh axis or -1) of the move
+        from layout ``i`` to layout ``j``."""
         if (i, j) not in self.pairs:
             source, target = self.placements[i], self.placements[j]
-            same = source is None or target is None or source == target
-            self.pairs[i, j] = (0.0, 0.0) if same else self.cost.reshard_coefficients(source, target)
+            if source is None or target is None or source == target:
+                self.pairs[i, j] = (0.0, 0.0, 0.0, -1)
+            else:
+                axis = self.cost.leading_gather_axis(source, target)
+                self.pairs[i, j] = (*self.cost.reshard_coefficients(source, target),
+                                    0.0 if axis is None else self.cost.collective_coefficients("all_gather", axis)[0],
+                                    -1 if axis is None else axis)
         return self.pairs[i, j]
 
-    def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int) -> np.ndarray:
+    def _grid(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        return np.array([[self.coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 4)
+
+    def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int, leading_apart: bool = False) -> np.ndarray:
+        """Seconds to move ``nbytes`` from each layout of ``rows`` to each of ``cols``; ``leading_apart``: without
+        the latency of a leading all-gather."""
         if nbytes == 0:
             return np.zeros((len(rows), len(cols)))
-        grid = np.array([[self.coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 2)
-        return grid[..., 0] + grid[..., 1] * nbytes
+        grid = self._grid(rows, cols)
+        return grid[..., 0] - (grid[..., 2] if leading_apart else 0.0) + grid[..., 1] * nbytes
+
+    def leading_axes(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """The mesh axis of each move's leading all-gather (-1: none)."""
+        return self._grid(rows, cols)[..., 3].astype(int)
 
 
 class ProblemTooLarge(Exception):
@@ -145,9 +190,13 @@ class _Builder:
         self.matrix_cache: dict = {}
         self.copies = pricing.memory_copies(program, recomputed)
         self.params = set(program.param_nodes.values())
+        self.group_of = {program.param_nodes[name]: group
+                         for name, group in param_gathers.gather_groups(program.param_nodes).items()}
         self.flops: dict[fx.Node, float] = {}
 
     def build(self) -> ShardingProblem:
+        self.problem.gather_latency = {axis: self.cost.collective_coefficients("all_gather", axis)[0]
+                                       for axis in range(len(self.cost.mesh_shape))}
         for node in self.program.graph.graph.nodes:
             if node in self.space.candidates:
                 self._assign(node)
@@ -272,17 +321,26 @@ class _Builder:
             self.id_cache[key] = np.array([self.table.index(wanted(b)) for b in range(len(strategies))])
         return self.id_cache[key]
 
+    def _gathered_param(self, producer: fx.Node) -> fx.Node | None:
+        """The parameter ``producer`` is (or is a view or cast of), whose gathers its group makes together."""
+        root = param_gathers.gathered_root(producer, self.params.__contains__)
+        return None if root is None else param_gathers.param_of(root)
+
     def _add_edge(self, producer: fx.Node, consumer: fx.Node, wanted_ids: np.ndarray, nbytes: int,
                   grad_sync: bool = False, last: bool = False) -> None:
         du, dv = self.problem.decision_of[producer], self.problem.decision_of[consumer]
         out_ids = self._output_ids(producer)
-        key = (id(out_ids), id(wanted_ids), nbytes)
+        param = None if grad_sync or du == dv else self._gathered_param(producer)
+        key = (id(out_ids), id(wanted_ids), nbytes, param is not None)
         if key not in self.matrix_cache:
             layouts_out, rows = np.unique(out_ids, return_inverse=True)
             layouts_in, cols = np.unique(wanted_ids, return_inverse=True)
-            self.matrix_cache[key] = (rows, cols, self.table.matrix(layouts_out, layouts_in, nbytes))
-        rows, cols, cost = self.matrix_cache[key]
-        cost = cost * self.weights.get(consumer, 1)
+            axes = self.table.leading_axes(layouts_out, layouts_in) if param is not None else None
+            self.matrix_cache[key] = (rows, cols, self.table.matrix(layouts_out, layouts_in, nbytes, param is not None),
+                                      None if axes is None or not (axes >= 0).any() else axes)
+        rows, cols, cost, axes = self.matrix_cache[key]
+        weight = self.weights.get(consumer, 1)
+        cost = cost * weight
         if du == dv and not grad_sync:
             self.problem.decisions[du].cost += cost[rows, cols]
         elif cost.any():
@@ -290,11 +348,16 @@ class _Builder:
             edge = self.problem.edges.get(edge_key)
             if edge is None:
                 self._count(cost.size)
-                self.problem.edges[edge_key] = Edge(producer=du, consumer=dv, rows=rows, cols=cols, cost=cost,
-                                                    grad_sync=grad_sync,
-                                                    last_share=1.0 / self.weights.get(consumer, 1) if last else 0.0)
+                self.problem.edges[edge_key] = edge = Edge(
+                    producer=du, consumer=dv, rows=rows, cols=cols, cost=cost, grad_sync=grad_sync,
+                    last_share=1.0 / weight if last else 0.0, gather_axes=axes,
+                    gather_backward=axes is not None and self.program.is_backward(consumer))
             else:
                 edge.cost = edge.cost + cost
+                if edge.gather_axes is None and axes is not None:  # a parameter's move joins another's edge
+                    edge.gather_axes, edge.gather_backward = axes, self.program.is_backward(consumer)
+            if edge.gather_axes is not None and axes is not None:
+                edge.gathered.add((self.group_of[param], weight))
 
     def _count(self, variables: int) -> None:
         self.edge_variables += variables
