@@ -170,12 +170,6 @@ class CostModel:
             self._coefficients[key] = (latency, per_byte)
         return self._coefficients[key]
 
-    def leading_gather_axis(self, source, target) -> int | None:
-        """The mesh axis of the first collective of a move from ``source`` to ``target`` when it is an all-gather
-        (a parameter's, which its group's one gather makes: ``search.problem``); None otherwise."""
-        moves = self.moves(tuple(source), tuple(target), 1 << 30)
-        return moves[0].axis if moves and moves[0].kind == "all_gather" else None
-
     def compute_time(self, flops: float, bytes_accessed: float, dtype: str) -> float:
         """Roofline: the slower of arithmetic and memory traffic, plus a fixed per-op overhead."""
         peak = self.hardware.peak_flops(dtype) * self.hardware.compute_efficiency

@@ -18,7 +18,7 @@ from torch_autopar.cost import CostModel, pricing
 from torch_autopar.cost.ops import is_free, node_flops
 from torch_autopar.cost.pricing import ADAM_STATE_PER_PARAM
 from torch_autopar.search.plan import LayerActivations, PlannedCollective
-from torch_autopar.strategies import Sharding, param_gathers
+from torch_autopar.strategies import Sharding, boundary, param_gathers
 
 
 @dataclass(kw_only=True)
@@ -119,7 +119,8 @@ def _moved_value(node: fx.Node, arg_index: int) -> fx.Node:
 
 def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
                         axis_names, once_per_value: bool = False, reshard_after_forward: bool = True,
-                        kept: frozenset = frozenset(), regather_views: bool = True, group_gathers: bool = True) -> None:
+                        kept: frozenset = frozenset(), regather_views: bool = True,
+                        grouped_in: str | None = "graph") -> None:
     """The collectives of every redistribution; ``once_per_value``: a value moved to one layout is moved once
     for all its consumers (graph mode's program), else once per consumer (DTensor in eager mode); there a view of
     a parameter is gathered as its parameter (``strategies.param_gathers``): once per step, or once per phase
@@ -128,15 +129,16 @@ def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: 
     products read) is gathered again for backward when the plan frees it after forward, once: in graph mode every
     parameter's (``rewrite.reshard``), in eager mode a layer's (``runtime.fsdp``; the root group stays).
     ``regather_views`` False leaves that out (eager execution's pricing notes its groups' regathers itself).
-    A parameter's gather starting with an all-gather is part of its group's (``_GroupGathers``): one all-gather
-    per group, mesh axis and phase, as graph mode's program runs it and as the search prices a group's latency
-    (in eager mode as searched, of the bytes moved for every consumer; eager execution's pricing has its flat
+    A parameter's gather starting with an all-gather that mode ``grouped_in`` makes per group
+    (``boundary.made_per_group``) is part of its group's (``_GroupGathers``): one all-gather per group, mesh axis
+    and phase, as graph mode's program runs it and as the search prices a group's latency (in eager mode as
+    searched, of the bytes moved for every consumer; None: eager execution's pricing, which has its flat
     groups)."""
     by_name = {node.name: node for node in program.graph.graph.nodes}
     in_layers = {program.param_nodes[name] for names in reshard_groups(program.param_nodes).values()
                  for name in names}
     params = set(program.param_nodes.values())
-    grouped = _GroupGathers(program, cost, axis_names, once_per_value) if group_gathers else None
+    grouped = _GroupGathers(program, cost, axis_names, once_per_value, grouped_in) if grouped_in else None
     done = set()
     for redistribution in sharding.redistributions:
         node = by_name[redistribution.node]
@@ -173,13 +175,16 @@ class _GroupGathers:
     from its shard, joins its group's (``param_gathers.gather_groups``) one all-gather per mesh axis, dtype and
     phase. Graph mode's program (``once_per_value``, ``rewrite.gather_buckets``): a group gathered in forward
     and needed again in backward (``rewrite.reshard``'s recomputation) is gathered whole in backward; a parameter
-    that only backward gathers joins the group's backward-only gather. Eager mode as searched: the bytes of every
-    consumer's move, one latency (the search's price, ``search.problem``)."""
+    that only backward gathers joins the group's backward-only gather. Eager mode as searched: the gathers its
+    flat groups make (``boundary.made_per_group``), of the bytes of every consumer's move, one latency (the
+    search's price, ``search.problem``)."""
 
     program: CapturedProgram
     cost: CostModel
     axis_names: tuple
     once_per_value: bool
+    mode: str
+    """The mode whose per-group gathers these are (``boundary.made_per_group``)."""
     members: dict = field(default_factory=dict)
     """(group, mesh axis, dtype, count, backward) → {root: bytes}."""
 
@@ -213,9 +218,11 @@ class _GroupGathers:
 def _add_moves(estimate: Estimate, cost: CostModel, axis_names, redistribution, backward: bool, count,
                root: fx.Node | None = None, grouped: _GroupGathers | None = None) -> None:
     """The collectives of ``redistribution``; where it gathers the parameter ``root`` starting with an
-    all-gather, that one joins its group's (``grouped``)."""
+    all-gather its group makes, that one joins its group's (``grouped``)."""
     moves = cost.moves(redistribution.source, redistribution.target, redistribution.global_nbytes)
-    if grouped is not None and root is not None and moves and moves[0].kind == "all_gather":
+    if grouped is not None and root is not None and moves and moves[0].kind == "all_gather" and \
+            boundary.made_per_group(grouped.mode, "all_gather", moves[0].axis, tuple(redistribution.source),
+                                    tuple(redistribution.target)):
         grouped.add(root, moves[0], backward, count)
         moves = moves[1:]
     for c in moves:
@@ -240,7 +247,7 @@ def _gather_key(params: set, sharding: Sharding, redistribution, moved: fx.Node,
 
 def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, buckets: list[list[str]],
                   grad_node, params: dict, reduce_dtype: torch.dtype | None, param_placements: dict,
-                  axis_names, flat_nbytes: dict | None = None) -> None:
+                  axis_names, flat_nbytes: dict | None = None, grouped_in: str | None = None) -> None:
     """One collective per bucket and mesh axis on which the gradients are not yet in their parameter's layout: a
     bucket whose sync is one reduction (``cost.pricing.grad_reduction``) is one flat buffer of the bytes
     ``cost.pricing.grad_bucket_collective`` prices, as graph mode's program lays it out.
@@ -248,8 +255,12 @@ def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, bucke
     ``grad_node(name)``: the captured node computing parameter ``name``'s gradient (None: no gradient);
     ``params``: name → ``TensorInfo``; ``reduce_dtype``: the dtype gradients are reduced in (None: their own);
     ``flat_nbytes``: name → padded bytes of a gradient in an eager fully-sharded flat group (``runtime.flat``), a
-    bucket of which moves those bytes."""
+    bucket of which moves those bytes. ``grouped_in``: buckets of one gradient each, priced as the search prices
+    them (``search.problem``) for that mode: the buckets of one parameter group (``param_gathers.gather_groups``)
+    moved by one reduction of the same kind and mesh axis that the mode makes per group
+    (``boundary.made_per_group``) pay one latency, with the last of them; the last bucket pays its own."""
     flat_nbytes = flat_nbytes or {}
+    synced = []
     for index, bucket in enumerate(buckets):
         first = grad_node(bucket[0])
         if first is None:
@@ -266,12 +277,39 @@ def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, bucke
             itemsize = (reduce_dtype or getattr(torch, params[bucket[0]].dtype)).itemsize
             moves = [pricing.grad_bucket_collective(
                 [(shape, have, pricing.grad_reduction(have, want)) for shape, have, want in members], itemsize, cost)]
-        synced = [PlannedCollective(kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes, phase="grad_sync",
-                                    where=f"bucket{index}", seconds=cost.collective_time(c.kind, c.axis, c.nbytes))
-                  for c in moves]
-        estimate.collectives += synced
+        grouped = grouped_in is not None and len(moves) == 1 and moves[0].kind != "all_gather" and \
+            boundary.made_per_group(grouped_in, moves[0].kind, moves[0].axis, tuple(source), tuple(target))
+        synced.append((index, bucket[0], grouped, moves))
+    latency_paid = _latency_payers(synced, param_gathers.gather_groups([name for _, name, _, _ in synced])) \
+        if grouped_in else None
+    for index, _, _, moves in synced:
+        collectives = [PlannedCollective(kind=c.kind, axis=axis_names[c.axis], nbytes=c.nbytes, phase="grad_sync",
+                                         where=f"bucket{index}",
+                                         seconds=_without_latency(cost, c, latency_paid is not None
+                                                                  and index not in latency_paid))
+                       for c in moves]
+        estimate.collectives += collectives
         if index == len(buckets) - 1:
-            estimate.last_grad_sync = sum(c.seconds for c in synced)
+            estimate.last_grad_sync = sum(c.seconds for c in collectives)
+
+
+def _latency_payers(synced: list, group_of: dict) -> set[int]:
+    """Of ``synced`` (bucket index, its first gradient, whether its move is one grouped reduction, moves), the
+    buckets that pay their collectives' latency: the last bucket, any not moved by one grouped reduction, and the
+    last one of each parameter group and reduction."""
+    payers, last_of = {synced[-1][0]} if synced else set(), {}
+    for index, name, one_reduction, moves in synced[:-1]:
+        if one_reduction:
+            last_of[(group_of[name], moves[0].kind, moves[0].axis)] = index
+        else:
+            payers.add(index)
+    return payers | set(last_of.values())
+
+
+def _without_latency(cost: CostModel, collective, apart: bool) -> float:
+    """Seconds of ``collective``, less its latency where ``apart`` (its group pays it)."""
+    seconds = cost.collective_time(collective.kind, collective.axis, collective.nbytes)
+    return seconds - cost.collective_coefficients(collective.kind, collective.axis)[0] if apart and seconds else seconds
 
 
 def _grad_layout(sharding: Sharding, node: fx.Node | None):

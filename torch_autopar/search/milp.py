@@ -10,36 +10,39 @@ Variables
                            (layouts, not strategies: many strategies share a layout)     (``_add_edge_vars``)
 
     g ≥ 0                  gradient synchronisation left on the step                   (``_exposed_grad_sync``)
-    z[k] ∈ [0, 1]          parameter group k (group, phase, mesh axis, weight) gathers   (``_group_gathers``)
+    z[k] ∈ [0, 1]          parameter group k (group, phase, collective, weight) runs that collective
+                                                                                       (``_group_latencies``)
 
 Objective (seconds per step)
     minimise  Σ_d Σ_a cost[d, a] · x[d, a]  +  Σ_{e not grad} Σ_p Σ_q C_e[p, q] · y[e, p, q]  +  g
-              +  Σ_k L_k · z[k]
+              +  Σ_{k not grad} L_k · z[k]
     cost: compute of each strategy (times the members tied to d) and, for user inputs, resharding from the
     layout they arrive in; C_e: resharding between producer output and consumer requirement, gradient sync,
-    tangent layout, summed over all edges tied to e; L_k: the latency of one all-gather on k's axis (times the
-    layers k stands for), which a parameter's move starting with one pays with its group instead of in C_e (both
-    modes gather a group's parameters together). Every term is priced by ``cost.pricing``, as a plan's
-    estimate prices it, so the optimum is the estimate of the plan returned (but for what no edge carries: a
-    gathered parameter freed after forward and gathered again for backward through a view backward reads,
-    gradients reduced in another dtype than the parameters', graph mode's program boundary).
+    tangent layout, summed over all edges tied to e; L_k: the latency of one of k's collectives on its mesh axis
+    (times the layers k stands for), which a parameter's move starting with an all-gather, and a gradient's
+    sync that is one reduction, pay with their group instead of in C_e where the mode's runtime makes them per
+    group (``strategies.boundary.made_per_group``; the gradient ready last keeps its own). Every term is priced
+    by ``cost.pricing``, as a plan's estimate prices it, so the optimum is the estimate of the plan returned
+    (but for what no edge carries: a gathered parameter freed after forward and gathered again for backward
+    through a view backward reads, gradients reduced in another dtype than the parameters', graph mode's program
+    boundary).
 
 Constraints
     (1) Σ_a x[d, a] = 1                               one strategy per decision     (``_one_strategy_rows``)
     (2) Σ_q y[e, p, q] = Σ_{a: rows_e[a] = p} x[u, a]   for every p   producer marginals (``_edge_rows``)
     (3) Σ_p y[e, p, q] = Σ_{b: cols_e[b] = q} x[v, b]   for every q   consumer marginals (``_edge_rows``)
     (4) Σ_d Σ_a mem[d, a] · x[d, a] ≤ memory budget    bytes per device             (``_memory_row``)
-    (5) g ≥ Σ_{e grad} Σ_p Σ_q C_e[p, q] · y[e, p, q] − Σ_d Σ_a bwd[d, a] · x[d, a]
+    (5) g ≥ Σ_{e grad} Σ_p Σ_q C_e[p, q] · y[e, p, q] + Σ_{k grad} L_k · z[k] − Σ_d Σ_a bwd[d, a] · x[d, a]
         g ≥ Σ_p Σ_q last_e · C_e[p, q] · y[e, p, q]    for the edge e of the gradient ready last
         gradient syncs overlap the backward compute (bwd: its share of cost) except the last one, which
         nothing follows (``cost.pricing.exposed_grad_sync``)                          (``_exposed_grad_sync``)
-    (6) z[k] ≥ Σ_{(p, q) starting with an all-gather on k's axis} y[e, p, q]   for every edge e of group k
-                                                                                       (``_group_gathers``)
+    (6) z[k] ≥ Σ_{(p, q) whose latency is k's collective's} y[e, p, q]   for every edge e of group k
+                                                                                       (``_group_latencies``)
     (7) x[d, a] = 0 for strategies a a named strategy forbids (data_parallel, fully_shard, ...): an upper
         bound, so one problem serves every restriction                                 (``_Model.solve``)
 
 With x integral, (2)-(3) force y[e, p, q] = [u's layout is p] · [v needs q] and (6) z[k] = [any edge of k
-gathers on its axis], so the objective is exact. Edges whose cost
+runs k's collective], so the objective is exact. Edges whose cost
 matrix is all zero get no y variables. Must never build the problem (search.problem does).
 """
 
@@ -124,6 +127,7 @@ class _Model:
         entries = [(exposed, -1.0)]
         for key, edge in grad:
             entries += self._edge_terms(key, edge, 1.0)
+        entries += [(z, seconds * MICROSECONDS) for z, seconds in self.grad_latencies]
         for d, decision in enumerate(self.problem.decisions):
             entries += [(self.x_offset[d] + a, -float(c) * MICROSECONDS) for a, c in enumerate(decision.backward_cost) if c]
         self._row(entries, -np.inf, 0.0)
@@ -147,12 +151,16 @@ class _Model:
                 choices = [(self.x_offset[edge.consumer] + b, -1.0) for b in np.flatnonzero(edge.cols == q)]
                 self._row([(start + p * kq + q, 1.0) for p in range(kp)] + choices, 0.0, 0.0)
 
-    def _group_gathers(self) -> None:
-        for (_, _, axis, _), (seconds, keys) in self.problem.gather_groups().items():
-            z = self._new_vars([seconds], integral=False)
+    def _group_latencies(self) -> None:
+        self.grad_latencies = []
+        for (_, phase, code, _), (seconds, keys) in self.problem.latency_groups().items():
+            grad = phase == "grad_sync"
+            z = self._new_vars([0.0 if grad else seconds], integral=False)  # a gradient's: in g (exposed rows)
+            if grad:
+                self.grad_latencies.append((z, seconds))
             for key in keys:
-                gathering = np.flatnonzero(self.problem.edges[key].gather_axes.reshape(-1) == axis)
-                self._row([(self.y_offset[key] + int(i), 1.0) for i in gathering] + [(z, -1.0)], -np.inf, 0.0)
+                moving = np.flatnonzero(self.problem.edges[key].latency_codes.reshape(-1) == code)
+                self._row([(self.y_offset[key] + int(i), 1.0) for i in moving] + [(z, -1.0)], -np.inf, 0.0)
 
     def _memory_row(self) -> None:
         if np.isinf(self.problem.memory_budget):
@@ -167,8 +175,8 @@ class _Model:
         self._one_strategy_rows()
         self._edge_rows()
         self._memory_row()
+        self._group_latencies()
         self._exposed_grad_sync()
-        self._group_gathers()
 
     def solve(self, time_limit_s: float, allowed: dict[int, list[int]] | None = None) -> Solution:
         started = time.perf_counter()
@@ -232,8 +240,11 @@ def objective_of(problem: ShardingProblem, choice: list[int]) -> float:
     grad = sum(edge_cost(e) for e in problem.edges.values() if e.grad_sync)
     last = sum(e.last_share * edge_cost(e) for e in problem.edges.values() if e.grad_sync)
     backward = sum(float(d.backward_cost[a]) for d, a in zip(problem.decisions, choice))
-    for (_, _, axis, _), (seconds, keys) in problem.gather_groups().items():
+    for (_, phase, code, _), (seconds, keys) in problem.latency_groups().items():
         edges = [problem.edges[key] for key in keys]
-        if any(e.gather_axes[e.rows[choice[e.producer]], e.cols[choice[e.consumer]]] == axis for e in edges):
-            total += seconds
+        if any(e.latency_codes[e.rows[choice[e.producer]], e.cols[choice[e.consumer]]] == code for e in edges):
+            if phase == "grad_sync":
+                grad += seconds
+            else:
+                total += seconds
     return total + exposed_grad_sync(grad, last, backward)

@@ -210,7 +210,8 @@ class Planner(Executing):
         limit = MAX_EXACT_EDGE_VARIABLES if self.solver == "auto" else float("inf")
         try:
             problem = build_problem(self.program, space, self.cost, self._arrival, self.budget, self.weights, limit,
-                                    recomputed=self._recomputable(), compute_runs=self._compute_runs())
+                                    recomputed=self._recomputable(), compute_runs=self._compute_runs(),
+                                    mode=self.mode)
             edge_variables = problem.size()[1]
         except ProblemTooLarge as too_large:
             problem, edge_variables = None, too_large.edge_variables
@@ -290,9 +291,9 @@ class Planner(Executing):
             sharding = to_sharding(self.program, problem, solution.choice, self.mesh, built.space.replicated_ops,
                                    self._arrival)
             params = {n: sharding.specs[node].placements for n, node in self.program.param_nodes.items()}
-            # eager mode: each gradient synced on its own, as the MILP prices it and DTensor moves it (graph mode:
-            # ``_plan`` prices the program's buckets)
-            plan = self._plan(name, sharding, params, bucket_cap_bytes=0)
+            # eager mode: each gradient a bucket, a parameter group's reductions paying one latency, as the MILP
+            # prices them (graph mode: ``_plan`` prices the program's buckets; eager execution its flat groups)
+            plan = self._plan(name, sharding, params, bucket_cap_bytes=0, group_latency=True)
             plan.search_stats.update({
                 "mode": "exact", "decisions": len(problem.decisions), "variables": solution.num_variables,
                 **built.stats, "solve_s": solution.seconds, "objective_s": solution.objective,
@@ -369,12 +370,14 @@ class Planner(Executing):
         return {real: value for name, value in captured.items() for real in self.folding.real_names(name)}
 
     def _plan(self, strategy: str, sharding, captured_placements: dict, bucket_cap_bytes: int | None = None,
-              local_compute: bool = False, as_searched: bool = True, flat_grads: list | None = None) -> Plan:
+              local_compute: bool = False, as_searched: bool = True, flat_grads: list | None = None,
+              group_latency: bool = False) -> Plan:
         """The plan of ``sharding``. In graph mode a sharded placement the search chose (``as_searched``) is what
         the per-rank program runs: with the program's boundary moves, its gradient buckets (up to the planner's
         cap; only gradients synced by one reduction share one, ``_bucket_keys``) and the batch-size check.
         ``flat_grads``: eager mode's flat groups (``Executing._flat_gathers``, real names), whose gradients are
-        reduced as one bucket each, of their padded bytes."""
+        reduced as one bucket each, of their padded bytes. ``group_latency``: eager mode's gradients priced as the
+        search prices them, one bucket each with one latency per parameter group (``est.add_grad_sync``)."""
         program, fold = self.program, self.folding
         graph_program = as_searched and self.mode == "graph" and not local_compute and self.mesh.size() > 1
         if graph_program:
@@ -401,10 +404,11 @@ class Planner(Executing):
         est.add_redistributions(estimate, program, sharding, self.cost, self.axis_names,
                                 once_per_value=self.mode == "graph", reshard_after_forward=self.reshard_after_forward,
                                 kept=self._kept_params, regather_views=as_searched,
-                                group_gathers=as_searched or self.mode == "graph")
+                                grouped_in=self.mode if as_searched or self.mode == "graph" else None)
         est.add_grad_sync(estimate, sharding, self.cost, buckets,
                           lambda name: program.grad_nodes.get(fold.captured_name(name)), infos, self.reduce_dtype,
-                          placements, self.axis_names, flat_nbytes)
+                          placements, self.axis_names, flat_nbytes,
+                          grouped_in=self.mode if group_latency and not graph_program else None)
         if graph_program:
             estimate.collectives.append(self._batch_check())
         est.add_exposed_comm(estimate)

@@ -22,7 +22,7 @@ from torch_autopar.capture.layers import find_repeated_layers
 from torch_autopar.cost import CostModel
 from torch_autopar.cost import pricing
 from torch_autopar.cost.ops import nbytes, node_flops
-from torch_autopar.strategies import param_gathers
+from torch_autopar.strategies import boundary, param_gathers
 from torch_autopar.strategies.enumerate import StrategySpace
 
 
@@ -53,15 +53,15 @@ class Edge:
     """Gradient → parameter layout: overlaps backward compute instead of adding to the step."""
     last_share: float = 0.0
     """The share of ``cost`` that is the sync of the gradient ready last (that edge is never merged)."""
-    gather_axes: np.ndarray | None = None
-    """A parameter's edge: per (p, q) as ``cost``, the mesh axis of the move's leading all-gather, -1 where it
-    starts otherwise. That gather's latency is not in ``cost``: the parameter's group pays it once per phase and
-    mesh axis (``ShardingProblem.gather_groups``)."""
-    gathered: set = field(default_factory=set)
-    """Of a parameter's edge: (group, real ops its consumer stands for: folded weights) of each parameter it moves
-    (one, or one per tied layer)."""
-    gather_backward: bool = False
-    """Whether the parameter's edge leads to a backward op."""
+    latency_codes: np.ndarray | None = None
+    """Per (p, q) as ``cost``, the collective (``LATENCY_KINDS`` code) whose latency is not in ``cost`` but paid
+    once by the group (``ShardingProblem.latency_groups``), -1 where none: of a parameter's edge, the move's
+    leading all-gather; of a gradient's, its one reduction. None when no pair has one."""
+    groups: set = field(default_factory=set)
+    """(group, real ops its consumer stands for: folded weights) of each parameter the edge moves or syncs the
+    gradient of (one, or one per tied layer)."""
+    phase: str = "forward"
+    """The phase the edge's move runs in: "forward", "backward" or "grad_sync"."""
 
     def matrix(self) -> np.ndarray:
         """The cost per (producer strategy, consumer strategy) pair."""
@@ -79,22 +79,22 @@ class ShardingProblem:
     strategy_of: dict[fx.Node, object] = field(default_factory=dict)
     """For nodes folded into another node's decision (followers): strategy index → their own NodeStrategy."""
     memory_budget: float = float("inf")
-    gather_latency: dict[int, float] = field(default_factory=dict)
-    """Mesh axis → seconds of one all-gather's latency there."""
+    latency: dict[int, float] = field(default_factory=dict)
+    """``LATENCY_KINDS`` code → seconds of one such collective's latency."""
 
-    def gather_groups(self) -> dict[tuple, tuple[float, list]]:
-        """(parameter group, backward, mesh axis, folded weight) → (seconds of latency it adds when any of its edges
-        gathers there, those edge keys): both modes gather a group's parameters together (``rewrite.gather_buckets``,
-        ``runtime.flat``), so the group pays one latency per phase and axis."""
+    def latency_groups(self) -> dict[tuple, tuple[float, list]]:
+        """(parameter group, phase, collective code, folded weight) → (seconds of latency it adds when any of its
+        edges moves that way, those edge keys): what a mode gathers and reduces once per group
+        (``strategies.boundary.made_per_group``: graph mode's gather and gradient buckets, eager mode's flat
+        groups) pays one latency per group, phase and collective."""
         groups: dict[tuple, tuple[float, list]] = {}
         for key, edge in self.edges.items():
-            if edge.gather_axes is None:
+            if edge.latency_codes is None:
                 continue
-            for axis in np.unique(edge.gather_axes[edge.gather_axes >= 0]).tolist():
-                for group, weight in edge.gathered:
-                    seconds, keys = groups.get((group, edge.gather_backward, axis, weight), (0.0, []))
-                    groups[(group, edge.gather_backward, axis, weight)] = (self.gather_latency[axis] * weight,
-                                                                         keys + [key])
+            for code in np.unique(edge.latency_codes[edge.latency_codes >= 0]).tolist():
+                for group, weight in edge.groups:
+                    _, keys = groups.get((group, edge.phase, code, weight), (0.0, []))
+                    groups[(group, edge.phase, code, weight)] = (self.latency[code] * weight, keys + [key])
         return groups
 
     def node_strategy(self, node: fx.Node, choice: int):
@@ -116,19 +116,32 @@ class ShardingProblem:
         return (sum(len(d.strategies) for d in self.decisions), sum(e.cost.size for e in self.edges.values()))
 
 
+LATENCY_KINDS = ("all_gather", "all_reduce", "reduce_scatter")
+"""Collectives whose latency a parameter group pays once (``ShardingProblem.latency_groups``)."""
+
+
+def latency_code(kind: str, axis: int) -> int:
+    """The code of a ``kind`` collective on mesh axis ``axis`` (``Edge.latency_codes``)."""
+    return axis * len(LATENCY_KINDS) + LATENCY_KINDS.index(kind)
+
+
 class ReshardTable:
     """Resharding time between pairs of placements, as ``latency + per_byte * nbytes``, each pair priced on first
     use (a 3-D mesh sees thousands of layouts; an edge needs only its producer's and consumer's).
 
-    Placements are interned to small integers so an edge's cost matrix is a grid of cached pairs. A parameter's
-    move that starts with an all-gather can leave that gather's latency out (``leading_apart``): its group pays it
-    (``ShardingProblem.gather_groups``)."""
+    Placements are interned to small integers so an edge's cost matrix is a grid of cached pairs. A move whose
+    latency its parameter's group pays in ``mode`` (``boundary.made_per_group``) leaves it out (``apart``,
+    ``ShardingProblem.latency_groups``): "gather", a parameter's move's leading all-gather; "reduce", a
+    gradient's sync that is one reduction."""
 
-    def __init__(self, cost: CostModel):
-        self.cost = cost
+    APART = {"gather": 2, "reduce": 4}
+    """``apart`` → index of (latency left out, its collective's code) in a pair's coefficients."""
+
+    def __init__(self, cost: CostModel, mode: str):
+        self.cost, self.mode = cost, mode
         self.ids: dict[tuple, int] = {}
         self.placements: list = []
-        self.pairs: dict[tuple[int, int], tuple[float, float, float, int]] = {}
+        self.pairs: dict[tuple[int, int], tuple] = {}
 
     def index(self, placements) -> int:
         key = tuple(placements) if placements is not None else None
@@ -137,34 +150,42 @@ class ReshardTable:
             self.placements.append(key)
         return self.ids[key]
 
-    def coefficients(self, i: int, j: int) -> tuple[float, float, float, int]:
-        """(latency, seconds per global byte, latency of a leading all-gather, its mesh axis or -1) of the move
-        from layout ``i`` to layout ``j``."""
+    def coefficients(self, i: int, j: int) -> tuple[float, float, float, int, float, int]:
+        """(latency, seconds per global byte, latency of a leading all-gather, its code or -1, latency of the one
+        reduction the move is, its code or -1) of the move from layout ``i`` to layout ``j``."""
         if (i, j) not in self.pairs:
             source, target = self.placements[i], self.placements[j]
             if source is None or target is None or source == target:
-                self.pairs[i, j] = (0.0, 0.0, 0.0, -1)
+                self.pairs[i, j] = (0.0, 0.0, 0.0, -1, 0.0, -1)
             else:
-                axis = self.cost.leading_gather_axis(source, target)
+                moves = self.cost.moves(source, target, 1 << 30)
+                grouped = moves and boundary.made_per_group(self.mode, moves[0].kind, moves[0].axis, source, target)
+                gather = moves[0] if grouped and moves[0].kind == "all_gather" else None
+                reduce = moves[0] if grouped and len(moves) == 1 and moves[0].kind != "all_gather" else None
                 self.pairs[i, j] = (*self.cost.reshard_coefficients(source, target),
-                                    0.0 if axis is None else self.cost.collective_coefficients("all_gather", axis)[0],
-                                    -1 if axis is None else axis)
+                                    *self._apart(gather), *self._apart(reduce))
         return self.pairs[i, j]
 
-    def _grid(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        return np.array([[self.coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 4)
+    def _apart(self, move) -> tuple[float, int]:
+        if move is None:
+            return 0.0, -1
+        return self.cost.collective_coefficients(move.kind, move.axis)[0], latency_code(move.kind, move.axis)
 
-    def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int, leading_apart: bool = False) -> np.ndarray:
-        """Seconds to move ``nbytes`` from each layout of ``rows`` to each of ``cols``; ``leading_apart``: without
-        the latency of a leading all-gather."""
+    def _grid(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        return np.array([[self.coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 6)
+
+    def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int, apart: str | None = None) -> np.ndarray:
+        """Seconds to move ``nbytes`` from each layout of ``rows`` to each of ``cols``, without the latency
+        ``apart`` names."""
         if nbytes == 0:
             return np.zeros((len(rows), len(cols)))
         grid = self._grid(rows, cols)
-        return grid[..., 0] - (grid[..., 2] if leading_apart else 0.0) + grid[..., 1] * nbytes
+        left_out = grid[..., self.APART[apart]] if apart else 0.0
+        return grid[..., 0] - left_out + grid[..., 1] * nbytes
 
-    def leading_axes(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """The mesh axis of each move's leading all-gather (-1: none)."""
-        return self._grid(rows, cols)[..., 3].astype(int)
+    def latency_codes(self, rows: np.ndarray, cols: np.ndarray, apart: str) -> np.ndarray:
+        """The code of the collective whose latency ``apart`` leaves out of each move (-1: none)."""
+        return self._grid(rows, cols)[..., self.APART[apart] + 1].astype(int)
 
 
 class ProblemTooLarge(Exception):
@@ -178,13 +199,13 @@ class ProblemTooLarge(Exception):
 
 class _Builder:
     def __init__(self, program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival, weights: dict,
-                 max_edge_variables: float, recomputed: set, compute_runs: dict):
+                 max_edge_variables: float, recomputed: set, compute_runs: dict, mode: str):
         self.program, self.space, self.cost, self.arrival = program, space, cost, arrival
         self.weights, self.compute_runs = weights, compute_runs
         self.max_edge_variables, self.edge_variables = max_edge_variables, 0
         self.tied = find_repeated_layers(program)
         self.problem = ShardingProblem(decisions=[], edges={}, decision_of={})
-        self.table = ReshardTable(cost)
+        self.table = ReshardTable(cost, mode)
         self.followers: set[fx.Node] = set()
         self.id_cache: dict = {}
         self.matrix_cache: dict = {}
@@ -195,8 +216,8 @@ class _Builder:
         self.flops: dict[fx.Node, float] = {}
 
     def build(self) -> ShardingProblem:
-        self.problem.gather_latency = {axis: self.cost.collective_coefficients("all_gather", axis)[0]
-                                       for axis in range(len(self.cost.mesh_shape))}
+        self.problem.latency = {latency_code(kind, axis): self.cost.collective_coefficients(kind, axis)[0]
+                                for kind in LATENCY_KINDS for axis in range(len(self.cost.mesh_shape))}
         for node in self.program.graph.graph.nodes:
             if node in self.space.candidates:
                 self._assign(node)
@@ -326,38 +347,50 @@ class _Builder:
         root = param_gathers.gathered_root(producer, self.params.__contains__)
         return None if root is None else param_gathers.param_of(root)
 
+    def _apart(self, producer: fx.Node, consumer: fx.Node, grad_sync: bool, last: bool) -> tuple | None:
+        """(``ReshardTable`` apart, the parameter) when the edge's latency is paid by the parameter's group: a
+        parameter's move to another decision; a gradient's sync, but for the gradient ready last, which keeps its
+        own (the bucket nothing follows). Which of their moves the group pays for is the table's to say."""
+        if grad_sync:
+            return None if last else ("reduce", consumer)
+        param = None if self.problem.decision_of[producer] == self.problem.decision_of[consumer] \
+            else self._gathered_param(producer)
+        return None if param is None else ("gather", param)
+
     def _add_edge(self, producer: fx.Node, consumer: fx.Node, wanted_ids: np.ndarray, nbytes: int,
                   grad_sync: bool = False, last: bool = False) -> None:
         du, dv = self.problem.decision_of[producer], self.problem.decision_of[consumer]
         out_ids = self._output_ids(producer)
-        param = None if grad_sync or du == dv else self._gathered_param(producer)
-        key = (id(out_ids), id(wanted_ids), nbytes, param is not None)
+        apart = self._apart(producer, consumer, grad_sync, last)
+        left_out = apart and apart[0]
+        key = (id(out_ids), id(wanted_ids), nbytes, left_out)
         if key not in self.matrix_cache:
             layouts_out, rows = np.unique(out_ids, return_inverse=True)
             layouts_in, cols = np.unique(wanted_ids, return_inverse=True)
-            axes = self.table.leading_axes(layouts_out, layouts_in) if param is not None else None
-            self.matrix_cache[key] = (rows, cols, self.table.matrix(layouts_out, layouts_in, nbytes, param is not None),
-                                      None if axes is None or not (axes >= 0).any() else axes)
-        rows, cols, cost, axes = self.matrix_cache[key]
+            codes = self.table.latency_codes(layouts_out, layouts_in, left_out) if left_out and nbytes else None
+            self.matrix_cache[key] = (rows, cols, self.table.matrix(layouts_out, layouts_in, nbytes, left_out),
+                                      None if codes is None or not (codes >= 0).any() else codes)
+        rows, cols, cost, codes = self.matrix_cache[key]
         weight = self.weights.get(consumer, 1)
         cost = cost * weight
         if du == dv and not grad_sync:
             self.problem.decisions[du].cost += cost[rows, cols]
-        elif cost.any():
+        elif cost.any() or codes is not None:
             edge_key = (du, dv, rows.tobytes(), cols.tobytes(), grad_sync, last)  # tied layers' edges share one
             edge = self.problem.edges.get(edge_key)
             if edge is None:
                 self._count(cost.size)
                 self.problem.edges[edge_key] = edge = Edge(
                     producer=du, consumer=dv, rows=rows, cols=cols, cost=cost, grad_sync=grad_sync,
-                    last_share=1.0 / weight if last else 0.0, gather_axes=axes,
-                    gather_backward=axes is not None and self.program.is_backward(consumer))
+                    last_share=1.0 / weight if last else 0.0)
             else:
                 edge.cost = edge.cost + cost
-                if edge.gather_axes is None and axes is not None:  # a parameter's move joins another's edge
-                    edge.gather_axes, edge.gather_backward = axes, self.program.is_backward(consumer)
-            if edge.gather_axes is not None and axes is not None:
-                edge.gathered.add((self.group_of[param], weight))
+            if codes is not None:
+                if edge.latency_codes is None:  # its first move whose latency the group pays
+                    edge.latency_codes = codes
+                    edge.phase = "grad_sync" if grad_sync else "backward" if self.program.is_backward(consumer) \
+                        else "forward"
+                edge.groups.add((self.group_of[apart[1]], weight))
 
     def _count(self, variables: int) -> None:
         self.edge_variables += variables
@@ -395,13 +428,15 @@ class _Builder:
 def build_problem(program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival,
                   memory_budget: float = float("inf"), weights: dict | None = None,
                   max_edge_variables: float = float("inf"), recomputed: set = frozenset(),
-                  compute_runs: dict | None = None) -> ShardingProblem:
+                  compute_runs: dict | None = None, mode: str = "graph") -> ShardingProblem:
     """``arrival(node)``: the placements a user input arrives in (each rank's slice: Shard(0) on every axis).
     ``weights``: how many real nodes a captured node stands for (folded layers; absent: 1).
     ``recomputed``: saved activations not counted in memory (their layers may recompute them).
     ``compute_runs``: how many times a step runs an op's compute (recomputed layers; absent: 1).
+    ``mode``: the mode the plan runs in, which decides the parameter moves made once per parameter group
+    (``strategies.boundary.made_per_group``).
     Raises ``ProblemTooLarge`` as soon as the problem has more than ``max_edge_variables`` edge variables."""
     problem = _Builder(program, space, cost, arrival, weights or {}, max_edge_variables, recomputed,
-                       compute_runs or {}).build()
+                       compute_runs or {}, mode).build()
     problem.memory_budget = memory_budget
     return problem

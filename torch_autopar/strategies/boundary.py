@@ -14,6 +14,8 @@ them and the runtime that runs them.
                  parameter whose move to its compute layout is Shard(0) -> Replicate on that axis alone, each rank
                  sending its dim-0 shard padded to ``padded_shard_numel`` (as DTensor pads uneven shards), and
                  reduce-scatters back the same way the gradients that ``flat_reduced`` admits (partial sums)
+  made_per_group  which of a parameter's gathers and its gradient's reductions a mode makes once per parameter
+                 group (one collective, one latency): graph mode all, eager mode its flat groups'
 Must never depend on a device mesh object (plans are made offline for meshes that do not exist).
 """
 
@@ -75,6 +77,22 @@ def flat_gather_axis(storage: tuple, computed: tuple) -> int | None:
         return None
     kept = [p for axis, p in enumerate(storage) if axis != moved[0]]
     return None if any(p.is_partial() or getattr(p, "dim", None) == 0 for p in kept) else moved[0]
+
+
+def made_per_group(mode: str, kind: str, axis: int, source: tuple, target: tuple) -> bool:
+    """Whether ``mode``'s runtime makes a ``kind`` collective on ``axis``, the first step of moving a parameter
+    (or a view of it) from ``source`` to ``target`` or the one step of reducing its gradient from ``source`` to
+    the parameter's ``target``, together with its group's: graph mode buckets every parameter all-gather
+    (``rewrite.gather_buckets``) and every gradient reduction (``rewrite.grad_buckets``); eager mode only its
+    flat groups' (``runtime.flat``), each other move going through DTensor on its own."""
+    if mode == "graph":
+        return kind in ("all_gather", "all_reduce", "reduce_scatter")
+    if kind == "all_gather":
+        return flat_gather_axis(source, target) == axis
+    if kind != "reduce_scatter" or not target[axis] == Shard(0):
+        return False
+    gathered = tuple(Replicate() if other == axis else p for other, p in enumerate(target))
+    return flat_gather_axis(target, gathered) == axis and flat_reduced(source, target, axis)
 
 
 def padded_shard_numel(shape, ranks: int) -> int:
