@@ -134,14 +134,15 @@ class ReshardTable:
     ``ShardingProblem.latency_groups``): "gather", a parameter's move's leading all-gather; "reduce", a
     gradient's sync that is one reduction."""
 
-    APART = {"gather": 2, "reduce": 4}
-    """``apart`` → index of (latency left out, its collective's code) in a pair's coefficients."""
+    APART = {"gather": 0, "reduce": 2}
+    """``apart`` → index of (latency left out, its collective's code) in a pair's ``apart_coefficients``."""
 
     def __init__(self, cost: CostModel, mode: str):
         self.cost, self.mode = cost, mode
         self.ids: dict[tuple, int] = {}
         self.placements: list = []
-        self.pairs: dict[tuple[int, int], tuple] = {}
+        self.pairs: dict[tuple[int, int], tuple[float, float]] = {}
+        self.apart_pairs: dict[tuple[int, int], tuple[float, int, float, int]] = {}
 
     def index(self, placements) -> int:
         key = tuple(placements) if placements is not None else None
@@ -150,42 +151,47 @@ class ReshardTable:
             self.placements.append(key)
         return self.ids[key]
 
-    def coefficients(self, i: int, j: int) -> tuple[float, float, float, int, float, int]:
-        """(latency, seconds per global byte, latency of a leading all-gather, its code or -1, latency of the one
-        reduction the move is, its code or -1) of the move from layout ``i`` to layout ``j``."""
+    def coefficients(self, i: int, j: int) -> tuple[float, float]:
+        """(latency, seconds per global byte) of the move from layout ``i`` to layout ``j``."""
         if (i, j) not in self.pairs:
             source, target = self.placements[i], self.placements[j]
-            if source is None or target is None or source == target:
-                self.pairs[i, j] = (0.0, 0.0, 0.0, -1, 0.0, -1)
-            else:
-                moves = self.cost.moves(source, target, 1 << 30)
-                grouped = moves and boundary.made_per_group(self.mode, moves[0].kind, moves[0].axis, source, target)
-                gather = moves[0] if grouped and moves[0].kind == "all_gather" else None
-                reduce = moves[0] if grouped and len(moves) == 1 and moves[0].kind != "all_gather" else None
-                self.pairs[i, j] = (*self.cost.reshard_coefficients(source, target),
-                                    *self._apart(gather), *self._apart(reduce))
+            same = source is None or target is None or source == target
+            self.pairs[i, j] = (0.0, 0.0) if same else self.cost.reshard_coefficients(source, target)
         return self.pairs[i, j]
+
+    def apart_coefficients(self, i: int, j: int) -> tuple[float, int, float, int]:
+        """(latency of a leading all-gather, its code or -1, latency of the one reduction the move is, its code or
+        -1), counting only collectives the mode makes per group, of the move from layout ``i`` to layout ``j``."""
+        if (i, j) not in self.apart_pairs:
+            source, target = self.placements[i], self.placements[j]
+            moves = [] if source is None or target is None or source == target \
+                else self.cost.moves(source, target, 1 << 30)
+            grouped = moves and boundary.made_per_group(self.mode, moves[0].kind, moves[0].axis, source, target)
+            gather = moves[0] if grouped and moves[0].kind == "all_gather" else None
+            reduce = moves[0] if grouped and len(moves) == 1 and moves[0].kind != "all_gather" else None
+            self.apart_pairs[i, j] = (*self._apart(gather), *self._apart(reduce))
+        return self.apart_pairs[i, j]
 
     def _apart(self, move) -> tuple[float, int]:
         if move is None:
             return 0.0, -1
         return self.cost.collective_coefficients(move.kind, move.axis)[0], latency_code(move.kind, move.axis)
 
-    def _grid(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        return np.array([[self.coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 6)
-
     def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int, apart: str | None = None) -> np.ndarray:
         """Seconds to move ``nbytes`` from each layout of ``rows`` to each of ``cols``, without the latency
         ``apart`` names."""
         if nbytes == 0:
             return np.zeros((len(rows), len(cols)))
-        grid = self._grid(rows, cols)
-        left_out = grid[..., self.APART[apart]] if apart else 0.0
+        grid = np.array([[self.coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 2)
+        left_out = self._apart_grid(rows, cols)[..., self.APART[apart]] if apart else 0.0
         return grid[..., 0] - left_out + grid[..., 1] * nbytes
 
     def latency_codes(self, rows: np.ndarray, cols: np.ndarray, apart: str) -> np.ndarray:
         """The code of the collective whose latency ``apart`` leaves out of each move (-1: none)."""
-        return self._grid(rows, cols)[..., self.APART[apart] + 1].astype(int)
+        return self._apart_grid(rows, cols)[..., self.APART[apart] + 1].astype(int)
+
+    def _apart_grid(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        return np.array([[self.apart_coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 4)
 
 
 class ProblemTooLarge(Exception):
