@@ -18,7 +18,10 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import torch_autopar as autopar
+from torch_autopar.capture import capture
 from torch_autopar.cost import Link, get_profile
+from torch_autopar.launch import offline_mesh
+from torch_autopar.search import Planner
 from torch_autopar.strategies.boundary import made_per_group
 from torch_autopar.testing.models import GPT, GPTConfig
 
@@ -72,3 +75,39 @@ def test_fully_shard_gathers_weights_when_every_collective_costs_a_call(gpt, mod
     # gradients are two (ln_f's are ready first, the embeddings' last)
     assert len(synced) == (3 if mode == "eager" else 4), [c.where for c in synced]
     assert len(params) == 26
+
+
+class _MixedBlock(torch.nn.Module):
+    """An fp32 norm and a bf16 linear: one parameter group, gathered as two (one flat buffer per dtype)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.linear = torch.nn.Linear(width, width).to(torch.bfloat16)
+
+    def forward(self, x):
+        return x + self.linear(self.norm(x).to(torch.bfloat16)).float()
+
+
+class _Mixed(torch.nn.Module):
+    def __init__(self, width: int = 256, blocks: int = 2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_MixedBlock(width) for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("strategy", ["fully_shard", "auto"])
+def test_a_group_of_two_dtypes_pays_a_latency_per_dtype_in_search_and_estimate(strategy):
+    """Each runtime gathers a group's parameters per dtype (``runtime.flat``, ``rewrite.gather_buckets``): the
+    search prices a latency per group and dtype, as the estimate does, so the objective is still the estimate."""
+    with torch.device("meta"):
+        program = capture(_Mixed(), (torch.empty(64, 256, device="meta"),), {})
+    with offline_mesh((4,), ("dp",)) as mesh:
+        plan = Planner(program, mesh, ("dp",), hardware=get_profile("h100")).searched(strategy)
+    assert plan.search_stats["mode"] == "exact"
+    solved = plan.estimated_step_time - plan.search_stats["optimizer_dispatch_s"]
+    assert plan.search_stats["objective_s"] == pytest.approx(solved, rel=1e-9)

@@ -15,8 +15,9 @@ with known alpha and bandwidth:
     by_hand(sharded) = compute + one all_gather per layer of its sharded parameters' bytes (a layer's parameters
                        are gathered together: one latency) + all_gather(W2) again when W2 is sharded (backward's
                        dL/dh reads it) + exposed(reduce_scatter(n) per sharded param, all_reduce(n) per other,
-                       less one latency when W2's and B2's gradients are reduced alike: a layer's gradients
-                       reduced the same way are reduced together; W1's, ready last, keeps its own)
+                       less one latency when W2's and B2's gradients are reduced alike: graph mode's buckets
+                       reduce a layer's gradients reduced the same way together; W1's, ready last, keeps its own;
+                       the problems here are built for graph mode)
 
 On a ring, all_gather + reduce_scatter = all_reduce, so sharding one parameter used once costs what replicating it
 does, but sharding both of a layer's parameters saves one latency (two reduce-scatters and one gather against two
@@ -130,7 +131,7 @@ def program():
 def _problem(program, mesh, roles=("free",), budget=float("inf")):
     space = enumerate_strategies(program, mesh, leaf_filter(program, roles))
     cost = CostModel(HARDWARE, tuple(mesh.shape))
-    return build_problem(program, space, cost, lambda node: tuple(Shard(0) for _ in mesh.shape), budget)
+    return build_problem(program, space, cost, lambda node: tuple(Shard(0) for _ in mesh.shape), budget, mode="graph")
 
 
 def _param_output(program, problem, choice, name):
@@ -298,7 +299,7 @@ SLOW = dataclasses.replace(HARDWARE, name="by-hand-slow", flops={"float32": PEAK
 def _linear_problem(program, hardware, budget=float("inf")):
     with offline_mesh((2,)) as mesh:
         space = enumerate_strategies(program, mesh)
-        return build_problem(program, space, CostModel(hardware, (2,)), lambda node: (Shard(0),), budget)
+        return build_problem(program, space, CostModel(hardware, (2,)), lambda node: (Shard(0),), budget, mode="graph")
 
 
 def test_milp_equals_brute_force_on_one_linear_layer(linear_program):

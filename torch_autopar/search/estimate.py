@@ -120,7 +120,7 @@ def _moved_value(node: fx.Node, arg_index: int) -> fx.Node:
 def add_redistributions(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel,
                         axis_names, once_per_value: bool = False, reshard_after_forward: bool = True,
                         kept: frozenset = frozenset(), regather_views: bool = True,
-                        grouped_in: str | None = "graph") -> None:
+                        grouped_in: str | None = None) -> None:
     """The collectives of every redistribution; ``once_per_value``: a value moved to one layout is moved once
     for all its consumers (graph mode's program), else once per consumer (DTensor in eager mode); there a view of
     a parameter is gathered as its parameter (``strategies.param_gathers``): once per step, or once per phase
@@ -289,7 +289,7 @@ def add_grad_sync(estimate: Estimate, sharding: Sharding, cost: CostModel, bucke
                                                                   and index not in latency_paid))
                        for c in moves]
         estimate.collectives += collectives
-        if index == len(buckets) - 1:
+        if index == synced[-1][0]:
             estimate.last_grad_sync = sum(c.seconds for c in collectives)
 
 
@@ -298,8 +298,8 @@ def _latency_payers(synced: list, group_of: dict) -> set[int]:
     buckets that pay their collectives' latency: the last bucket, any not moved by one grouped reduction, and the
     last one of each parameter group and reduction."""
     payers, last_of = {synced[-1][0]} if synced else set(), {}
-    for index, name, one_reduction, moves in synced[:-1]:
-        if one_reduction:
+    for index, name, grouped, moves in synced[:-1]:
+        if grouped:
             last_of[(group_of[name], moves[0].kind, moves[0].axis)] = index
         else:
             payers.add(index)

@@ -77,8 +77,7 @@ class Executing:
     def _run_as_data_parallel(self, plan: Plan) -> Plan:
         """A plan of another name whose layout is data parallelism's (each parameter replicated, the batch split)
         runs as data parallelism (``runtime.parallel_module``: the whole model on each slice, its gradients
-        all-reduced in the planner's buckets), so it is priced as that, not by its searched node layouts (each
-        gradient synced on its own, as the search prices it)."""
+        all-reduced in the planner's buckets), so it is priced as that, not by its searched node layouts."""
         result = self.propagated("data_parallel")
         result.strategy, result.search_stats = plan.strategy, {**plan.search_stats, **_priced_here(result)}
         result.notes = list(plan.notes) + [

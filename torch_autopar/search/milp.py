@@ -10,7 +10,7 @@ Variables
                            (layouts, not strategies: many strategies share a layout)     (``_add_edge_vars``)
 
     g ≥ 0                  gradient synchronisation left on the step                   (``_exposed_grad_sync``)
-    z[k] ∈ [0, 1]          parameter group k (group, phase, collective, weight) runs that collective
+    z[k] ∈ [0, 1]          parameter group k (group, dtype, phase, collective, weight) runs that collective
                                                                                        (``_group_latencies``)
 
 Objective (seconds per step)
@@ -41,9 +41,10 @@ Constraints
     (7) x[d, a] = 0 for strategies a a named strategy forbids (data_parallel, fully_shard, ...): an upper
         bound, so one problem serves every restriction                                 (``_Model.solve``)
 
-With x integral, (2)-(3) force y[e, p, q] = [u's layout is p] · [v needs q] and (6) z[k] = [any edge of k
-runs k's collective], so the objective is exact. Edges whose cost
-matrix is all zero get no y variables. Must never build the problem (search.problem does).
+With x integral, (2)-(3) force y[e, p, q] = [u's layout is p] · [v needs q], and at the optimum (6) holds z[k] at
+[any edge of k runs k's collective] (a gradient group's z where row (5) binds; elsewhere it costs nothing), so
+the objective is exact. Edges whose cost matrix is all zero and whose moves pay no group latency get no y
+variables. Must never build the problem (search.problem does).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class _Model:
 
     def _group_latencies(self) -> None:
         self.grad_latencies = []
-        for (_, phase, code, _), (seconds, keys) in self.problem.latency_groups().items():
+        for (_, _, phase, code, _), (seconds, keys) in self.problem.latency_groups().items():
             grad = phase == "grad_sync"
             z = self._new_vars([0.0 if grad else seconds], integral=False)  # a gradient's: in g (exposed rows)
             if grad:
@@ -240,7 +241,7 @@ def objective_of(problem: ShardingProblem, choice: list[int]) -> float:
     grad = sum(edge_cost(e) for e in problem.edges.values() if e.grad_sync)
     last = sum(e.last_share * edge_cost(e) for e in problem.edges.values() if e.grad_sync)
     backward = sum(float(d.backward_cost[a]) for d, a in zip(problem.decisions, choice))
-    for (_, phase, code, _), (seconds, keys) in problem.latency_groups().items():
+    for (_, _, phase, code, _), (seconds, keys) in problem.latency_groups().items():
         edges = [problem.edges[key] for key in keys]
         if any(e.latency_codes[e.rows[choice[e.producer]], e.cols[choice[e.consumer]]] == code for e in edges):
             if phase == "grad_sync":

@@ -5,8 +5,10 @@ node). Choosing strategy ``a`` for a decision places every member accordingly. C
 ``CostModel``: compute of each strategy, the optimizer step on a parameter's shard, resharding between a
 producer's output and the placement a consumer's strategy needs (summed over all tied edges), gradient
 synchronisation (gradient placement → parameter placement) and tangent layout (forward output → its tangent),
-each priced by ``cost.pricing`` as a plan's estimate prices it. Building stops once the problem is too large to
-solve exactly (``ProblemTooLarge``). Must never solve anything.
+each priced by ``cost.pricing`` as a plan's estimate prices it. A collective the plan's mode makes once per
+parameter group (``strategies.boundary.made_per_group``) leaves its latency out of the edges, for the group to
+pay once (``ShardingProblem.latency_groups``). Building stops once the problem is too large to solve exactly
+(``ProblemTooLarge``). Must never solve anything.
 """
 
 from __future__ import annotations
@@ -57,11 +59,11 @@ class Edge:
     """Per (p, q) as ``cost``, the collective (``LATENCY_KINDS`` code) whose latency is not in ``cost`` but paid
     once by the group (``ShardingProblem.latency_groups``), -1 where none: of a parameter's edge, the move's
     leading all-gather; of a gradient's, its one reduction. None when no pair has one."""
-    groups: set = field(default_factory=set)
-    """(group, real ops its consumer stands for: folded weights) of each parameter the edge moves or syncs the
-    gradient of (one, or one per tied layer)."""
+    groups: dict = field(default_factory=dict)
+    """(group, dtype gathered in or None for a gradient, real ops its consumer stands for: folded weights) of each
+    parameter the edge moves or syncs the gradient of (one, or one per tied layer); a dict for its order."""
     phase: str = "forward"
-    """The phase the edge's move runs in: "forward", "backward" or "grad_sync"."""
+    """With ``latency_codes``: the phase the edge's move runs in, "forward", "backward" or "grad_sync"."""
 
     def matrix(self) -> np.ndarray:
         """The cost per (producer strategy, consumer strategy) pair."""
@@ -83,8 +85,8 @@ class ShardingProblem:
     """``LATENCY_KINDS`` code → seconds of one such collective's latency."""
 
     def latency_groups(self) -> dict[tuple, tuple[float, list]]:
-        """(parameter group, phase, collective code, folded weight) → (seconds of latency it adds when any of its
-        edges moves that way, those edge keys): what a mode gathers and reduces once per group
+        """(parameter group, dtype, phase, collective code, folded weight) → (seconds of latency it adds when any
+        of its edges moves that way, those edge keys): what a mode gathers and reduces once per group
         (``strategies.boundary.made_per_group``: graph mode's gather and gradient buckets, eager mode's flat
         groups) pays one latency per group, phase and collective."""
         groups: dict[tuple, tuple[float, list]] = {}
@@ -92,9 +94,9 @@ class ShardingProblem:
             if edge.latency_codes is None:
                 continue
             for code in np.unique(edge.latency_codes[edge.latency_codes >= 0]).tolist():
-                for group, weight in edge.groups:
-                    _, keys = groups.get((group, edge.phase, code, weight), (0.0, []))
-                    groups[(group, edge.phase, code, weight)] = (self.latency[code] * weight, keys + [key])
+                for group, dtype, weight in edge.groups:
+                    groups.setdefault((group, dtype, edge.phase, code, weight), (self.latency[code] * weight, []))
+                    groups[(group, dtype, edge.phase, code, weight)][1].append(key)
         return groups
 
     def node_strategy(self, node: fx.Node, choice: int):
@@ -348,20 +350,22 @@ class _Builder:
             self.id_cache[key] = np.array([self.table.index(wanted(b)) for b in range(len(strategies))])
         return self.id_cache[key]
 
-    def _gathered_param(self, producer: fx.Node) -> fx.Node | None:
-        """The parameter ``producer`` is (or is a view or cast of), whose gathers its group makes together."""
-        root = param_gathers.gathered_root(producer, self.params.__contains__)
-        return None if root is None else param_gathers.param_of(root)
+    def _gathered_root(self, producer: fx.Node) -> fx.Node | None:
+        """The parameter (or its cast) ``producer`` is a view of, whose gathers its group makes together."""
+        return param_gathers.gathered_root(producer, self.params.__contains__)
 
     def _apart(self, producer: fx.Node, consumer: fx.Node, grad_sync: bool, last: bool) -> tuple | None:
-        """(``ReshardTable`` apart, the parameter) when the edge's latency is paid by the parameter's group: a
-        parameter's move to another decision; a gradient's sync, but for the gradient ready last, which keeps its
-        own (the bucket nothing follows). Which of their moves the group pays for is the table's to say."""
+        """(``ReshardTable`` apart, (group, dtype)) when the edge's latency is paid by a parameter's group: a
+        parameter's move to another decision (in the dtype it is gathered in, as each runtime groups them); a
+        gradient's sync, but for the gradient ready last, which keeps its own (the bucket nothing follows).
+        Which of their moves the group pays for is the table's to say."""
         if grad_sync:
-            return None if last else ("reduce", consumer)
-        param = None if self.problem.decision_of[producer] == self.problem.decision_of[consumer] \
-            else self._gathered_param(producer)
-        return None if param is None else ("gather", param)
+            return None if last else ("reduce", (self.group_of[consumer], None))
+        root = None if self.problem.decision_of[producer] == self.problem.decision_of[consumer] \
+            else self._gathered_root(producer)
+        if root is None:
+            return None
+        return "gather", (self.group_of[param_gathers.param_of(root)], root.meta["val"].dtype)
 
     def _add_edge(self, producer: fx.Node, consumer: fx.Node, wanted_ids: np.ndarray, nbytes: int,
                   grad_sync: bool = False, last: bool = False) -> None:
@@ -396,7 +400,7 @@ class _Builder:
                     edge.latency_codes = codes
                     edge.phase = "grad_sync" if grad_sync else "backward" if self.program.is_backward(consumer) \
                         else "forward"
-                edge.groups.add((self.group_of[apart[1]], weight))
+                edge.groups[(*apart[1], weight)] = None
 
     def _count(self, variables: int) -> None:
         self.edge_variables += variables
@@ -412,11 +416,11 @@ class _Builder:
             self._add_edge(producer, node, wanted, nbytes(producer.meta.get("val")))
 
     def _gradient_edges(self) -> None:
-        """One edge per gradient (parameter layouts), each with a collective's full latency: eager mode moves each
-        gradient on its own; graph mode's buckets share one latency (an approximation here, usually above: which
-        gradients share a bucket depends on the layouts chosen, and a bucket's padding is not priced; the plan's
-        estimate prices the buckets that run). The gradient ready last (of
-        a folded layer: one of the real layers it stands for) keeps its own edge."""
+        """One edge per gradient (parameter layouts). A reduction the mode makes per parameter group pays its
+        latency with the group (``_apart``): graph mode's buckets, eager mode's flat groups (an approximation of
+        graph mode's buckets, which are runs of the ready order cut by a size cap, and of their padding; the plan's
+        estimate prices the buckets that run). The gradient ready last (of a folded layer: one of the real layers
+        it stands for) keeps its own edge and latency."""
         order = self.program.grad_ready_order()
         for name in order:
             grad, param = self.program.grad_nodes[name], self.program.param_nodes[name]
@@ -434,7 +438,7 @@ class _Builder:
 def build_problem(program: CapturedProgram, space: StrategySpace, cost: CostModel, arrival,
                   memory_budget: float = float("inf"), weights: dict | None = None,
                   max_edge_variables: float = float("inf"), recomputed: set = frozenset(),
-                  compute_runs: dict | None = None, mode: str = "graph") -> ShardingProblem:
+                  compute_runs: dict | None = None, mode: str = "eager") -> ShardingProblem:
     """``arrival(node)``: the placements a user input arrives in (each rank's slice: Shard(0) on every axis).
     ``weights``: how many real nodes a captured node stands for (folded layers; absent: 1).
     ``recomputed``: saved activations not counted in memory (their layers may recompute them).

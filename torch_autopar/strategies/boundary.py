@@ -25,6 +25,8 @@ import math
 
 from torch.distributed.tensor import Replicate, Shard
 
+from torch_autopar.cost import pricing
+
 
 def batch_arrival(ndim: int) -> tuple:
     return tuple(Shard(0) for _ in range(ndim))
@@ -83,10 +85,14 @@ def made_per_group(mode: str, kind: str, axis: int, source: tuple, target: tuple
     """Whether ``mode``'s runtime makes a ``kind`` collective on ``axis``, the first step of moving a parameter
     (or a view of it) from ``source`` to ``target`` or the one step of reducing its gradient from ``source`` to
     the parameter's ``target``, together with its group's: graph mode buckets every parameter all-gather
-    (``rewrite.gather_buckets``) and every gradient reduction (``rewrite.grad_buckets``); eager mode only its
-    flat groups' (``runtime.flat``), each other move going through DTensor on its own."""
+    (``rewrite.gather_buckets``) and every gradient sync that is one reduction (``rewrite.grad_buckets``,
+    ``cost.pricing.grad_reduction``); eager mode only its flat groups' (``runtime.flat``), each other move going
+    through DTensor on its own."""
     if mode == "graph":
-        return kind in ("all_gather", "all_reduce", "reduce_scatter")
+        if kind == "all_gather":
+            return True
+        reduction = pricing.grad_reduction(source, target)
+        return reduction is not None and (reduction.kind, reduction.axis) == (kind, axis)
     if kind == "all_gather":
         return flat_gather_axis(source, target) == axis
     if kind != "reduce_scatter" or not target[axis] == Shard(0):

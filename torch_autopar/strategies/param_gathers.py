@@ -43,7 +43,8 @@ def is_cheap(node: fx.Node) -> bool:
 
 def gather_groups(names) -> dict[str, str]:
     """Parameter name → its group, whose gathers graph mode's program makes as one all-gather per process group,
-    dtype and phase (``rewrite.gather_buckets``; ``search.estimate`` prices them so): a layer of
+    dtype and phase (``rewrite.gather_buckets``) and whose latencies the search prices once per group
+    (``strategies.boundary.made_per_group``, ``search.problem``, ``search.estimate``): a layer of
     ``capture.layers.reshard_groups`` (what FSDP2 users wrap), or the root group "" for the others."""
     names = list(names)
     group_of = {name: group for group, members in reshard_groups(names).items() for name in members}
