@@ -308,8 +308,9 @@ def _latency_payers(synced: list, group_of: dict) -> set[int]:
 
 def _without_latency(cost: CostModel, collective, apart: bool) -> float:
     """Seconds of ``collective``, less its latency where ``apart`` (its group pays it)."""
-    seconds = cost.collective_time(collective.kind, collective.axis, collective.nbytes)
-    return seconds - cost.collective_coefficients(collective.kind, collective.axis)[0] if apart and seconds else seconds
+    if not apart or collective.nbytes == 0:
+        return cost.collective_time(collective.kind, collective.axis, collective.nbytes)
+    return cost.collective_coefficients(collective.kind, collective.axis)[1] * collective.nbytes
 
 
 def _grad_layout(sharding: Sharding, node: fx.Node | None):

@@ -179,21 +179,20 @@ class ReshardTable:
             return 0.0, -1
         return self.cost.collective_coefficients(move.kind, move.axis)[0], latency_code(move.kind, move.axis)
 
-    def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int, apart: str | None = None) -> np.ndarray:
+    def matrix(self, rows: np.ndarray, cols: np.ndarray, nbytes: int,
+               apart: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Seconds to move ``nbytes`` from each layout of ``rows`` to each of ``cols``, without the latency
-        ``apart`` names."""
+        ``apart`` names, and the code of the collective whose latency that leaves out of each move (-1: none;
+        None when no move leaves one out)."""
         if nbytes == 0:
-            return np.zeros((len(rows), len(cols)))
+            return np.zeros((len(rows), len(cols))), None
         grid = np.array([[self.coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 2)
-        left_out = self._apart_grid(rows, cols)[..., self.APART[apart]] if apart else 0.0
-        return grid[..., 0] - left_out + grid[..., 1] * nbytes
-
-    def latency_codes(self, rows: np.ndarray, cols: np.ndarray, apart: str) -> np.ndarray:
-        """The code of the collective whose latency ``apart`` leaves out of each move (-1: none)."""
-        return self._apart_grid(rows, cols)[..., self.APART[apart] + 1].astype(int)
-
-    def _apart_grid(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        return np.array([[self.apart_coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 4)
+        if not apart:
+            return grid[..., 0] + grid[..., 1] * nbytes, None
+        pairs = np.array([[self.apart_coefficients(i, j) for j in cols] for i in rows]).reshape(len(rows), len(cols), 4)
+        codes = pairs[..., self.APART[apart] + 1].astype(int)
+        seconds = grid[..., 0] - pairs[..., self.APART[apart]] + grid[..., 1] * nbytes
+        return seconds, codes if (codes >= 0).any() else None
 
 
 class ProblemTooLarge(Exception):
@@ -377,9 +376,7 @@ class _Builder:
         if key not in self.matrix_cache:
             layouts_out, rows = np.unique(out_ids, return_inverse=True)
             layouts_in, cols = np.unique(wanted_ids, return_inverse=True)
-            codes = self.table.latency_codes(layouts_out, layouts_in, left_out) if left_out and nbytes else None
-            self.matrix_cache[key] = (rows, cols, self.table.matrix(layouts_out, layouts_in, nbytes, left_out),
-                                      None if codes is None or not (codes >= 0).any() else codes)
+            self.matrix_cache[key] = (rows, cols, *self.table.matrix(layouts_out, layouts_in, nbytes, left_out))
         rows, cols, cost, codes = self.matrix_cache[key]
         weight = self.weights.get(consumer, 1)
         cost = cost * weight
