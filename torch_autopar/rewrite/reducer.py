@@ -1,16 +1,20 @@
 """Eager-mode gradient averaging: bucketed all-reduces launched from parameter hooks during backward.
 
-Each parameter's post-accumulate-grad hook marks it ready; a bucket's all-reduce starts (asynchronously) as
-soon as it and every earlier bucket are ready, so every rank starts buckets in the same order and
-communication overlaps the rest of backward. At the end of backward the results are waited for and written
-back as averages (a bucket is all-reduced in ``reduce_dtype`` when one is given, for mixed precision, and
-written back in the gradients' own dtype). The local batch size rides along in the first bucket, so ranks that were given unequal
-slices (which would make the average gradient wrong) raise a clear error instead. An all-reduce that fails
+Each parameter's post-accumulate-grad hook copies its gradient into its bucket's flat buffer and drops it (so a
+gradient is held once, not once as itself and once in the buffer: the step's peak is DDP's); a bucket's
+all-reduce starts (asynchronously) as soon as it and every earlier bucket are ready, so every rank starts buckets
+in the same order and communication overlaps the rest of backward. At the end of backward the results are waited
+for, averaged in place, and each gradient becomes a view of its bucket (DDP's ``gradient_as_bucket_view``); a
+bucket all-reduced in ``reduce_dtype`` (mixed precision) is copied back in the gradients' own dtype. The local
+batch size rides along in the first bucket, so ranks that were given unequal slices (which would make the average
+gradient wrong) raise a clear error instead. An all-reduce that fails
 because another rank died or stalled raises a ``torch_autopar:`` error naming the step. Must never change the
 forward computation.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,8 @@ class GradientReducer:
         trailing = [name for name, p in named_params.items() if p.requires_grad and name not in listed]
         self.buckets = [[named_params[n] for n in bucket] for bucket in buckets + ([trailing] if trailing else [])]
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.offsets = {id(p): start for bucket in self.buckets  # where a gradient starts in its bucket's buffer
+                        for p, start in zip(bucket, itertools.accumulate((q.numel() for q in bucket), initial=0))}
         self.group = group
         self.reduce_dtype = reduce_dtype
         self._step = step or (lambda: 0)
@@ -48,7 +54,8 @@ class GradientReducer:
         self.local_batch = local_batch
 
     def _reset(self) -> None:
-        self._ready = [set() for _ in self.buckets]
+        self._flats: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._staged = [set() for _ in self.buckets]
         self._launched: list[tuple] = []
         self._callback_queued = False
 
@@ -74,31 +81,51 @@ class GradientReducer:
             self._reset()
             self._callback_queued = True
             _compat.queue_backward_callback(self._finish)
-        self._ready[self.bucket_of[id(param)]].add(id(param))
+        self._stage(self.bucket_of[id(param)], param)
         self._launch_ready()
+
+    def _carries_batch(self, index: int) -> bool:
+        """The first bucket carries the local batch size when its dtype holds it exactly (fp32, fp64)."""
+        return index == 0 and self._dtype(index) in (torch.float32, torch.float64)
+
+    def _dtype(self, index: int) -> torch.dtype:
+        return self.reduce_dtype or self.buckets[index][0].dtype
+
+    def _flat(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s buffer (zeros where a parameter has no gradient), allocated when first needed."""
+        if self._flats[index] is None:
+            params = self.buckets[index]
+            numel = sum(p.numel() for p in params) + 2 * self._carries_batch(index)
+            self._flats[index] = torch.zeros(numel, dtype=self._dtype(index), device=params[0].device)
+        return self._flats[index]
+
+    def _stage(self, index: int, param: torch.Tensor) -> None:
+        """Copy ``param``'s gradient into its bucket's buffer and drop it (the buffer holds it from here on)."""
+        if id(param) in self._staged[index] or param.grad is None:
+            return
+        offset = self.offsets[id(param)]
+        self._flat(index)[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None
+        self._staged[index].add(id(param))
 
     def _launch_ready(self) -> None:
         while len(self._launched) < len(self.buckets):
             index = len(self._launched)
-            if len(self._ready[index]) < len(self.buckets[index]):
+            if len(self._staged[index]) < len(self.buckets[index]):
                 return
             self._launch(index)
 
     def _launch(self, index: int) -> None:
-        params = self.buckets[index]
-        pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                  for p in params]
+        for param in self.buckets[index]:  # not ready this backward: a gradient accumulated earlier, or zeros
+            self._stage(index, param)
+        flat = self._flat(index)
         batch = float(self.local_batch or 0)
-        dtype = self.reduce_dtype or params[0].dtype
-        with_batch = index == 0 and dtype in (torch.float32, torch.float64)
-        if with_batch:  # rides along: exact in fp32 for any realistic batch size
-            pieces.append(torch.tensor([batch, batch * batch], dtype=dtype, device=params[0].device))
+        if self._carries_batch(index):  # rides along: exact in fp32 for any realistic batch size
+            flat[-2:] = torch.tensor([batch, batch * batch], dtype=flat.dtype)
         elif index == 0:  # low-precision buckets cannot carry it exactly: one tiny collective of its own
-            check = torch.tensor([batch, batch * batch], dtype=torch.float64, device=params[0].device)
+            check = torch.tensor([batch, batch * batch], dtype=torch.float64, device=flat.device)
             self._batch_check = (dist.all_reduce(check, group=self.group, async_op=True), check)
-        flat = torch.cat([piece.to(dtype) for piece in pieces])
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self._launched.append((work, flat, with_batch))
+        self._launched.append(dist.all_reduce(flat, group=self.group, async_op=True))
 
     def _finish_all(self) -> None:
         self._armed = False
@@ -110,12 +137,13 @@ class GradientReducer:
             self._batch_check = None
             work.wait()
             self._check_batches(check)
-        for index, (work, flat, with_batch) in enumerate(self._launched):
+        for index, work in enumerate(self._launched):
             work.wait()
-            if with_batch:
+            flat = self._flats[index]
+            if self._carries_batch(index):
                 self._check_batches(flat[-2:])
-                flat = flat[:-2]
-            self._write_back(self.buckets[index], flat.div_(self.world_size))
+            self._write_back(self.buckets[index], self.offsets, flat.div_(self.world_size))
+        self._flats = [None] * len(self.buckets)
 
     def _check_batches(self, sums: torch.Tensor) -> None:
         total, squares = float(sums[0]), float(sums[1])
@@ -128,12 +156,11 @@ class GradientReducer:
             )
 
     @staticmethod
-    def _write_back(params, flat: torch.Tensor) -> None:
-        offset = 0
+    def _write_back(params, offsets: dict[int, int], flat: torch.Tensor) -> None:
+        """Each gradient a view of the averaged bucket (a copy where its dtype or layout differs)."""
         for param in params:
-            piece = flat[offset:offset + param.numel()].view_as(param)
-            offset += param.numel()
-            if param.grad is None:
-                param.grad = piece.to(param.dtype, copy=True)
+            piece = flat[offsets[id(param)]:offsets[id(param)] + param.numel()].view(param.shape)
+            if piece.dtype == param.dtype and param.is_contiguous():
+                param.grad = piece
             else:
-                param.grad.copy_(piece)
+                param.grad = torch.empty_like(param).copy_(piece)
