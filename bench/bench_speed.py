@@ -14,6 +14,8 @@ rounds (order rotating), each step after a barrier and counted as its slowest ra
   autopar_tp_hand    autopar.compile(strategy=<the tp_hand layout as a Plan>): same layout as tp_hand, each
                      rank its slice (the batch is gathered for the column layer, outputs split again)
   autopar_tp_hand_full   the same with full_batch=True: the whole batch on every rank, as tp_hand
+  autopar_auto_full  autopar_auto with full_batch=True: auto under tp_hand's contract (with each rank's slice, a
+                     tensor-parallel plan gathers the batch and splits outputs again: collectives tp_hand skips)
   autopar_*_graph    the same in graph mode (torch.compile through the "autopar" backend: no DTensor dispatch)
 autopar plans with this machine's measured profile (``--profile measured``, the default: measured once per world
 size and cached, as ``compile(hardware="measured")`` does, so compile's default ``hardware=None`` finds it) or
@@ -51,10 +53,11 @@ from torch_autopar.testing import run_on_ranks  # noqa: E402
 from torch_autopar.testing.models import GPT, MLP, GPTConfig, gpt2_init, gpt_loss  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "speed.json")
-VARIANTS = ("ddp", "fsdp2", "tp_hand", "autopar_auto", "autopar_fully_shard", "autopar_tensor_parallel",
-            "autopar_tp_hand", "autopar_tp_hand_full", "autopar_auto_graph", "autopar_fully_shard_graph",
-            "autopar_tp_hand_graph", "autopar_tp_hand_full_graph")
+VARIANTS = ("ddp", "fsdp2", "tp_hand", "autopar_auto", "autopar_auto_full", "autopar_fully_shard",
+            "autopar_tensor_parallel", "autopar_tp_hand", "autopar_tp_hand_full", "autopar_auto_graph",
+            "autopar_fully_shard_graph", "autopar_tp_hand_graph", "autopar_tp_hand_full_graph")
 PAIRS = (("autopar_auto", "ddp"), ("autopar_data_parallel", "ddp"), ("autopar_auto", "fsdp2"), ("autopar_auto", "tp_hand"),
+         ("autopar_auto_full", "tp_hand"),
          ("autopar_fully_shard", "fsdp2"), ("autopar_tp_hand", "tp_hand"), ("autopar_tensor_parallel", "tp_hand"),
          ("autopar_tp_hand_full", "tp_hand"), ("autopar_auto_graph", "ddp"), ("autopar_fully_shard_graph", "fsdp2"),
          ("autopar_tp_hand_graph", "tp_hand"), ("autopar_tp_hand_full_graph", "tp_hand"))
@@ -302,7 +305,7 @@ def main() -> None:
     report["summary"] = {f"{world} ranks {workload} {ratio}": round(value, 3)
                          for world, by_workload in report["worlds"].items() for workload, data in by_workload.items()
                          if isinstance(data, dict) for ratio, value in data["ratios"].items()
-                         if ratio.startswith("autopar_auto/")}
+                         if ratio.startswith(("autopar_auto/", "autopar_auto_full/"))}
     report["wall_s"] = time.perf_counter() - started
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as handle:

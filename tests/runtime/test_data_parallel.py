@@ -10,12 +10,15 @@ module, reset with ``load_state_dict``, the mode switched by ``autopar.mode(...)
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections import Counter
 
 import pytest
 import torch
 
 import torch_autopar as autopar
+from torch_autopar.runtime.comm_count import CollectiveCounter
 from torch_autopar.testing import run_on_ranks
 from tests import support
 
@@ -59,9 +62,15 @@ def _full_batch_case(rank, world, mode):
     model = support.build_model("mlp")
     pmodel = autopar.compile(model, strategy="data_parallel", full_batch=True, mode=mode)
     x, y = support.global_batch("mlp", 0)
-    output = pmodel(x)
-    support.loss_fn("mlp", output, y).backward()
-    return {"output": output.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    support.loss_fn("mlp", pmodel(x), y).backward()  # plans and sets up (collectives of its own)
+    pmodel.zero_grad(set_to_none=True)
+    # a dispatch mode cannot run inside torch.compile: graph mode's collectives are not counted
+    with CollectiveCounter(None) if mode == "eager" else contextlib.nullcontext() as counter:
+        output = pmodel(x)
+        support.loss_fn("mlp", output, y).backward()
+    return {"output": output.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "counted": Counter((r.kind, r.nbytes) for r in counter.records) if counter else None,
+            "planned": Counter({(c.kind, c.nbytes): c.count for c in pmodel.plan.collectives})}
 
 
 def _buffers_case(rank, world, mode):
@@ -172,6 +181,21 @@ def test_full_batch_returns_whole_output_and_global_gradients(job2, mode):
         for name, p in model.named_parameters():
             torch.testing.assert_close(entry["grads"][name], p.grad, rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"{mode} rank {rank}/{world} grad of {name}: {m}")
+
+
+def test_full_batch_moves_what_the_plan_says(job2):
+    """Eager mode: the 32-byte check that every rank passed the same batch, the output gathered whole in forward
+    (nothing moves back in backward) and the gradients' all-reduce, which carries the local batch size (8 bytes
+    more than planned)."""
+    world, results = job2
+    for rank, result in enumerate(results):
+        entry = result["full_batch"]["eager"]
+        counted, planned = entry["counted"], entry["planned"]
+        assert sorted(kind for kind, _ in counted.elements()) == sorted(kind for kind, _ in planned.elements()), \
+            f"rank {rank}: counted {dict(counted)}, planned {dict(planned)}"
+        assert 0 <= sum(n for _, n in counted.elements()) - sum(n for _, n in planned.elements()) <= 8, \
+            f"rank {rank}: counted {dict(counted)}, planned {dict(planned)}"
+        assert sum(1 for kind, _ in counted.elements() if kind == "all_gather") == 1, dict(counted)
 
 
 def test_default_strategy_averages_gradients_over_ranks(job2):

@@ -286,9 +286,7 @@ class ParallelModule(torch.nn.Module):
     def _gather_batch(self, leaf):
         if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
             return leaf
-        from torch.distributed.nn.functional import all_gather
-
-        return torch.cat(all_gather(leaf.contiguous(), group=self._group or dist.group.WORLD), dim=0)
+        return _GatherBatch.apply(leaf, self._group or dist.group.WORLD)
 
     def _broadcast_buffers(self) -> None:
         buffers = [b for b in self.module.buffers() if b.numel() > 0]
@@ -315,3 +313,24 @@ class ParallelModule(torch.nn.Module):
         if self._sharded is not None:
             return self._sharded.load_state_dict(state_dict, strict)
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class _GatherBatch(torch.autograd.Function):
+    """Data parallelism with ``full_batch=True``: a rank's output slice gathered into the whole batch's output
+    (one all_gather), as every rank passed the whole batch. Backward makes no collective: every rank computes
+    the same loss from the same whole output (the inputs are checked equal, ``checks.check_same_full_batch``),
+    so the gradient of the whole output is the same on every rank and the reduce-scatter (sum) of it that an
+    all_gather's backward would make is ``world_size`` times this rank's slice of it; the reducer's average
+    over ranks then gives one process's gradients. Priced as ``Planner.propagated`` prices the output's move."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        ctx.rank, ctx.world = dist.get_rank(group), dist.get_world_size(group)
+        whole = local.new_empty((ctx.world * local.shape[0], *local.shape[1:]))
+        dist.all_gather_single(whole, local.contiguous(), group=group)
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.world)[ctx.rank] * ctx.world, None
+

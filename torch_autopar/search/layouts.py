@@ -61,6 +61,20 @@ def _move(node, source, target, backward: bool) -> Redistribution | None:
                           global_nbytes=tensor_nbytes(node.meta["val"]), backward=backward)
 
 
+def leaving_moves(program: CapturedProgram, sharding: Sharding, ndim: int, global_batch: int | None,
+                  full_batch: bool = False) -> list[Redistribution]:
+    """The forward moves of the program's outputs from their layouts to the ones they leave in
+    (``strategies.boundary.leaving``): graph mode's program boundary, and data parallelism's whole-batch outputs
+    with ``full_batch`` (``runtime.parallel_module``'s gather)."""
+    moves = []
+    for output in program.output_nodes.values():
+        spec = sharding.specs.get(output)
+        if isinstance(output.meta.get("val"), torch.Tensor) and hasattr(spec, "placements"):
+            leaving = boundary.leaving(output.meta["val"], ndim, global_batch, full_batch)
+            moves.append(_move(output, spec.placements, leaving, False))
+    return [m for m in moves if m is not None]
+
+
 def with_program_boundary(program: CapturedProgram, sharding: Sharding, ndim: int, global_batch: int | None,
                           full_batch: bool = False) -> Sharding:
     """``sharding`` plus the moves graph mode's per-rank program makes at its boundary (``strategies.boundary``):
@@ -68,11 +82,7 @@ def with_program_boundary(program: CapturedProgram, sharding: Sharding, ndim: in
     buffer values (running statistics) replicated. Replaces the search's direct output → tangent edge."""
     tangents = {tangent.name for tangent in program.tangent_nodes}
     moves = [r for r in sharding.redistributions if r.node not in tangents]
-    for index, output in program.output_nodes.items():
-        spec = sharding.specs.get(output)
-        if isinstance(output.meta.get("val"), torch.Tensor) and hasattr(spec, "placements"):
-            leaving = boundary.leaving(output.meta["val"], ndim, global_batch, full_batch)
-            moves.append(_move(output, spec.placements, leaving, False))
+    moves += leaving_moves(program, sharding, ndim, global_batch, full_batch)
     for tangent, index in program.tangent_nodes.items():
         output, spec = program.output_nodes.get(index), sharding.specs.get(tangent)
         if output is not None and hasattr(spec, "placements"):

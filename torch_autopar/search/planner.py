@@ -32,7 +32,7 @@ from torch_autopar.search.buckets import DEFAULT_BUCKET_CAP_BYTES, assign_bucket
 from torch_autopar.search.executed import Executing
 from torch_autopar.search.layer_rows import layer_rows
 from torch_autopar.search import module_layouts as modules
-from torch_autopar.search.layouts import node_layouts, with_program_boundary
+from torch_autopar.search.layouts import leaving_moves, node_layouts, with_program_boundary
 from torch_autopar.search.milp import Solver
 from torch_autopar.search import recompute, reshard_choice
 from torch_autopar.search.plan import Plan, params_of_groups
@@ -130,8 +130,10 @@ class Planner(Executing):
         # Data parallelism runs the whole model locally on each slice (batch-coupled ops such as batch norm
         # see the rank's slice, as in DDP): nothing moves but the gradients, each rank computes 1/world of the
         # one-process step, and every gradient is a partial sum to all-reduce, whatever DTensor's rules say
-        # (done in place on the kept propagation: doing it again changes nothing).
-        sharding.redistributions.clear()
+        # (done in place on the kept propagation: doing it again changes nothing). With full batches the
+        # outputs are gathered whole, the one move that is not a gradient's (``runtime.parallel_module``).
+        sharding.redistributions[:] = leaving_moves(self.program, sharding, self.mesh.ndim, self.global_batch,
+                                                    True) if self.full_batch else []
         partial = tuple(Partial() for _ in range(self.mesh.ndim))
         for node in self.program.grad_nodes.values():
             value = node.meta.get("val")
@@ -409,8 +411,8 @@ class Planner(Executing):
                           lambda name: program.grad_nodes.get(fold.captured_name(name)), infos, self.reduce_dtype,
                           placements, self.axis_names, flat_nbytes,
                           grouped_in=self.mode if group_latency and not graph_program else None)
-        if graph_program:
-            estimate.collectives.append(self._batch_check())
+        if graph_program or local_compute and self.full_batch and self.mesh.size() > 1:
+            estimate.collectives.append(self._batch_check())  # data parallelism checks a full batch only
         est.add_exposed_comm(estimate)
         est.add_optimizer(estimate, infos, placements, self.cost)
         est.add_memory(estimate, program, sharding, self.cost)
