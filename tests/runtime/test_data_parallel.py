@@ -99,6 +99,33 @@ def _default_strategy_case(rank, world):
     return {"grads": {n: support.full(p.grad).clone() for n, p in model.named_parameters()}, "strategy": pmodel.plan.strategy}
 
 
+class _TwiceCheckpointed(torch.nn.Module):
+    """One linear layer applied in two reentrant checkpointed segments: its parameters' post-accumulate-grad
+    hooks run once per segment's backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(self.layer, x, use_reentrant=True)
+        return checkpoint(self.layer, x, use_reentrant=True)
+
+
+def _reentrant_case(rank, world):
+    """A gradient accumulated again after its bucket was sent: a clear error, not a silently dropped part."""
+    torch.manual_seed(0)
+    pmodel = autopar.compile(_TwiceCheckpointed(), strategy="data_parallel")
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        pmodel(x).sum().backward()
+    except autopar.AutoparError as error:
+        return str(error)
+    return None
+
+
 def _data_parallel_job(rank, world, extras):
     launched = {"init": autopar.init(), "rank": autopar.get_rank(), "world": autopar.get_world_size()}
     result = {"launched": launched,
@@ -107,6 +134,7 @@ def _data_parallel_job(rank, world, extras):
         result["full_batch"] = {mode: _full_batch_case(rank, world, mode) for mode in MODES}
         result["default_strategy"] = _default_strategy_case(rank, world)
         result["buffers"] = {mode: _buffers_case(rank, world, mode) for mode in MODES}
+        result["reentrant"] = _reentrant_case(rank, world)
     return result
 
 
@@ -196,6 +224,14 @@ def test_full_batch_moves_what_the_plan_says(job2):
         assert 0 <= sum(n for _, n in counted.elements()) - sum(n for _, n in planned.elements()) <= 8, \
             f"rank {rank}: counted {dict(counted)}, planned {dict(planned)}"
         assert sum(1 for kind, _ in counted.elements() if kind == "all_gather") == 1, dict(counted)
+
+
+def test_a_gradient_accumulated_after_its_bucket_was_sent_is_an_error(job2):
+    world, results = job2
+    for rank, result in enumerate(results):
+        assert result["reentrant"] is not None and result["reentrant"].startswith(
+            "torch_autopar: a parameter's gradient was accumulated again after"), \
+            f"rank {rank}: {result['reentrant']}"
 
 
 def test_default_strategy_averages_gradients_over_ranks(job2):

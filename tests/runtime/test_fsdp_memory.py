@@ -1,8 +1,9 @@
 """Fully-sharded memory as FSDP2 has it (``runtime.fsdp``): on 2 and (with ``-m slow``) 4 gloo ranks, the
 fully_shard plan's placements with every parameter gathered for compute (as FSDP2 computes) in eager mode gather
-each block's parameters around its forward and backward only, so the peak memory of a training step per rank is at
-most 1.1x FSDP2's (``torch.distributed.fsdp.fully_shard`` on every block and the root) and at most 0.6x (2 ranks; 0.4x on 4)
-autopar's data parallelism's, for a 12-block MLP and the project's GPT with 12 blocks; the planner predicts that peak (and data parallelism's) within 15%;
+each block's parameters around its forward and backward only, so the peak memory of a training step per rank is
+at most 1.1x FSDP2's (``torch.distributed.fsdp.fully_shard`` on every block and the root) and at most 0.6x (2
+ranks; 0.4x on 4) autopar's data parallelism's, for a 12-block MLP and the project's GPT with 12 blocks; the
+planner predicts that peak (and data parallelism's) within 15%;
 and 4 AdamW steps equal one process (losses 1e-5 relative, parameters rtol 1e-4 / atol 1e-5). Peaks are the
 allocator's record (``testing.memory``), the least of steps 2-4 (the optimizer state exists; a buffer gloo frees on
 its own thread is seen freed only when its address is reused, which now and then adds a block's bytes to one step,

@@ -18,6 +18,7 @@ import torch
 
 import torch_autopar as autopar
 from torch_autopar.cost import Link, get_profile
+from torch_autopar.search.executed import BATCH_CHECKS
 from torch_autopar.testing.models import MLP
 
 EXPENSIVE_NETWORK = dataclasses.replace(get_profile("h100"), name="h100-slow-network",
@@ -53,8 +54,8 @@ def test_large_batch_small_weights_expensive_network_computes_data_parallel(smal
     plan = small_weights_plans["auto"]
     assert plan.strategy == "auto" and len(_sharded(plan)) <= 1, plan.param_placements
     assert plan.input_placements == {0: ("S(0)",)}
-    assert {(c.kind, c.phase) for c in plan.collectives} <= {("all_reduce", "grad_sync"), ("all_gather", "forward"),
-                                                            ("reduce_scatter", "grad_sync")}
+    moved = {(c.kind, c.phase) for c in plan.collectives if c.where not in BATCH_CHECKS}  # graph mode: 16 bytes
+    assert moved <= {("all_reduce", "grad_sync"), ("all_gather", "forward"), ("reduce_scatter", "grad_sync")}
     assert all(c.kind == "all_reduce" for c in plan.collectives if c.where == "bucket1")
     assert plan.estimated_step_time <= small_weights_plans["data_parallel"].estimated_step_time
 

@@ -42,21 +42,28 @@ class GradientReducer:
         self._step = step or (lambda: 0)
         self.world_size = dist.get_world_size(group)
         self.local_batch: int | None = None
-        self._armed = False
-        self._handles = []
+        self._armed = self._reduced = False
+        self._reset()
         for bucket in self.buckets:
             for param in bucket:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def arm(self, local_batch: int | None) -> None:
-        """Called by the forward pass: the next backward's gradients are to be averaged."""
-        self._armed = True
+        """Called by the forward pass: the next backward's gradients are to be averaged (from empty buckets,
+        whatever a backward that raised midway left)."""
+        self._reset()
+        self._armed, self._reduced = True, False
         self.local_batch = local_batch
+
+    def skip(self) -> None:
+        """Called by a forward whose backward this reducer leaves alone (``no_sync``: gradients accumulate
+        locally; graph mode: its backward graph averages them)."""
+        self._armed, self._reduced = False, False
 
     def _reset(self) -> None:
         self._flats: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._staged = [set() for _ in self.buckets]
-        self._launched: list[tuple] = []
+        self._launched: list[dist.Work] = []
         self._callback_queued = False
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -76,9 +83,10 @@ class GradientReducer:
 
     def _mark_ready(self, param: torch.Tensor) -> None:
         if not self._armed:
+            if self._reduced:  # no forward since this step's averages were written back
+                raise _accumulated_again("this step's gradients were averaged")
             return
-        if not getattr(self, "_callback_queued", False):
-            self._reset()
+        if not self._callback_queued:
             self._callback_queued = True
             _compat.queue_backward_callback(self._finish)
         self._stage(self.bucket_of[id(param)], param)
@@ -100,11 +108,19 @@ class GradientReducer:
         return self._flats[index]
 
     def _stage(self, index: int, param: torch.Tensor) -> None:
-        """Copy ``param``'s gradient into its bucket's buffer and drop it (the buffer holds it from here on)."""
-        if id(param) in self._staged[index] or param.grad is None:
+        """Copy ``param``'s gradient into its bucket's buffer and drop it (the buffer holds it from here on). A
+        gradient accumulated again in the same backward (reentrant checkpointing runs a parameter's hook once per
+        segment that uses it) is added in, unless its bucket has been sent."""
+        if param.grad is None:
             return
         offset = self.offsets[id(param)]
-        self._flat(index)[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        piece = self._flat(index)[offset:offset + param.numel()]
+        if id(param) not in self._staged[index]:
+            piece.copy_(param.grad.reshape(-1))
+        elif index >= len(self._launched):
+            piece.add_(param.grad.reshape(-1))
+        else:
+            raise _accumulated_again("its bucket's all-reduce started")
         param.grad = None
         self._staged[index].add(id(param))
 
@@ -144,6 +160,7 @@ class GradientReducer:
                 self._check_batches(flat[-2:])
             self._write_back(self.buckets[index], self.offsets, flat.div_(self.world_size))
         self._flats = [None] * len(self.buckets)
+        self._reduced = True
 
     def _check_batches(self, sums: torch.Tensor) -> None:
         total, squares = float(sums[0]), float(sums[1])
@@ -164,3 +181,12 @@ class GradientReducer:
                 param.grad = piece
             else:
                 param.grad = torch.empty_like(param).copy_(piece)
+
+
+def _accumulated_again(after: str) -> AutoparError:
+    return AutoparError(
+        f"a parameter's gradient was accumulated again after {after} (a parameter used in two reentrant "
+        "checkpointed segments, or a second backward without a forward in between); data parallelism expects one "
+        "backward per forward, each gradient complete when its hook runs. Use torch.utils.checkpoint(..., "
+        "use_reentrant=False) or compile(..., activation_checkpointing=...), call the model again before another "
+        "backward, or accumulate with pmodel.no_sync().")

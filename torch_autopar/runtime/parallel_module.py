@@ -26,6 +26,7 @@ from torch_autopar.runtime import checks, recompute
 from torch_autopar.runtime.modes import get_mode
 from torch_autopar.runtime.precision import CastCall, MixedPrecision, cast_inputs, cast_outputs, reduce_dtype
 from torch_autopar.runtime.sharded import ShardedRunner, check_equal_slices
+from torch_autopar.strategies import boundary
 from torch_autopar.search import Plan
 
 pytree = _compat.pytree()  # torch.utils._pytree: no public equivalent in torch 2.13
@@ -185,10 +186,10 @@ class ParallelModule(torch.nn.Module):
                 raise self._graph_error(error) from error
         else:
             output = self._run_graph(args, kwargs) if mode == "graph" else self._run_eager(args, kwargs)
-        output = cast_outputs(self.mixed_precision, output)
-        if self.full_batch and self._distributed:
-            output = pytree.tree_map(self._gather_batch, output)
-        return output
+        if self.full_batch and self._distributed:  # in the dtype the plan prices, before output_dtype's cast
+            local_batch = batch_size(args, kwargs)
+            output = pytree.tree_map(lambda leaf: self._gather_batch(leaf, local_batch), output)
+        return cast_outputs(self.mixed_precision, output)
 
     def _run_sharded(self, args, kwargs, mode: str):
         """A sharded plan's call. The first eager call with submodules held to the plan's layouts is a trial:
@@ -227,15 +228,17 @@ class ParallelModule(torch.nn.Module):
             checks.check_same_full_batch(args, kwargs, self._group, self.world_size)
 
     def _run_eager(self, args, kwargs):
-        if self._reducer is not None and torch.is_grad_enabled() and self._sync:
-            self._reducer.arm(batch_size(args, kwargs))
+        if self._reducer is not None and torch.is_grad_enabled():
+            self._reducer.arm(batch_size(args, kwargs)) if self._sync else self._reducer.skip()
         return CastCall(self.module, self.mixed_precision)(*args, **kwargs)
 
     def _run_graph(self, args, kwargs):
         if self._compiled is None:
             self._compiled = self._compile()
         if self._reducer is not None and torch.is_grad_enabled():
-            self._check_batch_sizes(args, kwargs)
+            self._reducer.skip()
+            if not self.full_batch:  # full batches: cut into equal slices here
+                self._check_batch_sizes(args, kwargs)
         try:
             return self._compiled(*args, **kwargs)
         except _compat.DynamoUnsupported() as error:
@@ -283,8 +286,9 @@ class ParallelModule(torch.nn.Module):
 
         return pytree.tree_map(piece, (args, kwargs))
 
-    def _gather_batch(self, leaf):
-        if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
+    def _gather_batch(self, leaf, local_batch: int | None):
+        """A batch-shaped output slice gathered whole (``strategies.boundary.gathered_whole``)."""
+        if not boundary.gathered_whole(leaf, local_batch):
             return leaf
         return _GatherBatch.apply(leaf, self._group or dist.group.WORLD)
 
@@ -317,11 +321,12 @@ class ParallelModule(torch.nn.Module):
 
 class _GatherBatch(torch.autograd.Function):
     """Data parallelism with ``full_batch=True``: a rank's output slice gathered into the whole batch's output
-    (one all_gather), as every rank passed the whole batch. Backward makes no collective: every rank computes
-    the same loss from the same whole output (the inputs are checked equal, ``checks.check_same_full_batch``),
-    so the gradient of the whole output is the same on every rank and the reduce-scatter (sum) of it that an
-    all_gather's backward would make is ``world_size`` times this rank's slice of it; the reducer's average
-    over ranks then gives one process's gradients. Priced as ``Planner.propagated`` prices the output's move."""
+    (one all_gather), as every rank passed the whole batch. Backward makes no collective: the full-batch
+    contract is that every rank computes the same loss from the same whole output (the inputs are checked
+    equal, ``checks.check_same_full_batch``; targets and the loss are the caller's), so the gradient of the
+    whole output is the same on every rank and the reduce-scatter (sum) of it that an all_gather's backward
+    would make is ``world_size`` times this rank's slice of it; the reducer's average over ranks then gives
+    one process's gradients. Priced as ``Planner.propagated`` prices the output's move."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
@@ -333,4 +338,3 @@ class _GatherBatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad.chunk(ctx.world)[ctx.rank] * ctx.world, None
-

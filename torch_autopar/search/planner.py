@@ -41,6 +41,7 @@ from torch_autopar.search.role_seeds import (MegatronMatrices, gathered_at_use, 
                                              split_matrix_grads)
 from torch_autopar.search.solution import to_sharding
 from torch_autopar.strategies import Sharding, format_placements, propagate, seed_placements
+from torch_autopar.strategies import boundary
 from torch_autopar.strategies.boundary import flat_reduced
 from torch_autopar.strategies.enumerate import StrategySpace, enumerate_strategies
 from torch_autopar.strategies.placements import spec_for
@@ -131,9 +132,11 @@ class Planner(Executing):
         # see the rank's slice, as in DDP): nothing moves but the gradients, each rank computes 1/world of the
         # one-process step, and every gradient is a partial sum to all-reduce, whatever DTensor's rules say
         # (done in place on the kept propagation: doing it again changes nothing). With full batches the
-        # outputs are gathered whole, the one move that is not a gradient's (``runtime.parallel_module``).
-        sharding.redistributions[:] = leaving_moves(self.program, sharding, self.mesh.ndim, self.global_batch,
-                                                    True) if self.full_batch else []
+        # batch-shaped outputs are gathered whole, the one move that is not a gradient's (``runtime.parallel_module``).
+        whole = {output.name for output in self.program.output_nodes.values()
+                 if self.full_batch and boundary.gathered_whole(output.meta.get("val"), self.global_batch)}
+        sharding.redistributions[:] = [move for move in leaving_moves(self.program, sharding, self.mesh.ndim,
+                                                                      self.global_batch, True) if move.node in whole]
         partial = tuple(Partial() for _ in range(self.mesh.ndim))
         for node in self.program.grad_nodes.values():
             value = node.meta.get("val")
@@ -411,8 +414,8 @@ class Planner(Executing):
                           lambda name: program.grad_nodes.get(fold.captured_name(name)), infos, self.reduce_dtype,
                           placements, self.axis_names, flat_nbytes,
                           grouped_in=self.mode if group_latency and not graph_program else None)
-        if graph_program or local_compute and self.full_batch and self.mesh.size() > 1:
-            estimate.collectives.append(self._batch_check())  # data parallelism checks a full batch only
+        if graph_program or local_compute and self._checks_batch_apart():
+            estimate.collectives.append(self._batch_check())
         est.add_exposed_comm(estimate)
         est.add_optimizer(estimate, infos, placements, self.cost)
         est.add_memory(estimate, program, sharding, self.cost)
@@ -437,6 +440,14 @@ class Planner(Executing):
         )
         self._optimizer_dispatch(plan, len(infos), local_compute)
         return plan
+
+    def _checks_batch_apart(self) -> bool:
+        """Whether data parallelism checks its input batch with a collective of its own (``_batch_check``): with
+        full batches (the same batch on every rank), in graph mode (its slices' sizes, before each forward), and
+        in eager mode when its first gradient bucket is reduced in a dtype that cannot carry them exactly
+        (``rewrite.reducer``)."""
+        low_precision = self.reduce_dtype is not None and self.reduce_dtype not in (torch.float32, torch.float64)
+        return self.full_batch or self.mode == "graph" or low_precision
 
     def _optimizer_dispatch(self, plan: Plan, tensors: int, local_compute: bool) -> None:
         """The sharded runtime keeps parameters as DTensors (data parallelism keeps plain tensors), so each kernel

@@ -6,6 +6,8 @@ them and the runtime that runs them.
                  other output (a loss computed inside the model) leaves replicated, the same on every rank
   full_batch     (``compile(full_batch=True)``, as parallelize_module users call a model) every rank passes
                  the whole batch: inputs arrive replicated and every output leaves replicated
+  gathered_whole  data parallelism with full batches runs each rank's slice: an output with the slice as dim 0
+                 is gathered whole over the ranks; any other output is the rank's own
   compute_layouts  eager mode computes with each parameter in the layout the plan's first op wants it in; a
                  plan without that gathers parameters over the axes the batch is split on (fully sharded)
   move_target    a value moved outside an op (at a program or module boundary) goes to the layout wanted,
@@ -46,6 +48,12 @@ def leaving(value, ndim: int, global_batch: int | None, full_batch: bool = False
     if not full_batch and global_batch is not None and value.ndim >= 1 and value.shape[0] == global_batch:
         return batch_arrival(ndim)
     return replicated(ndim)
+
+
+def gathered_whole(value, batch: int | None) -> bool:
+    """Whether data parallelism with full batches gathers output ``value`` whole: a tensor with ``batch`` rows
+    (on a rank, its slice's; in a plan, the global batch)."""
+    return getattr(value, "ndim", 0) >= 1 and batch is not None and value.shape[0] == batch
 
 
 def move_target(current: tuple, wanted: tuple) -> tuple:
