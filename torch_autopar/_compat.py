@@ -923,6 +923,14 @@ def keeping_version(tensor: torch.Tensor):
     return torch.autograd._unsafe_preserve_version_counter(tensor)
 
 
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` is active (a FLOP counter, a collective counter): torch.compile'd
+    functions then run their Python eagerly instead of their compiled graphs."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
+
+
 @contextlib.contextmanager
 def outside_selective_checkpoint():
     """A context in which the ops run are not seen by a selective activation checkpoint's dispatch modes (torch

@@ -126,6 +126,19 @@ def _reentrant_case(rank, world):
     return None
 
 
+def _dispatch_mode_case(rank, world):
+    """Graph mode under a dispatch mode (FlopCounterMode), which makes dynamo run the forward's Python: one
+    backward's gradients."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = support.build_model("mlp")
+    pmodel = autopar.compile(model, strategy="data_parallel", mode="graph")
+    x, y = support.global_batch("mlp", 0)
+    with FlopCounterMode(display=False):
+        support.loss_fn("mlp", pmodel(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def _data_parallel_job(rank, world, extras):
     launched = {"init": autopar.init(), "rank": autopar.get_rank(), "world": autopar.get_world_size()}
     result = {"launched": launched,
@@ -135,6 +148,7 @@ def _data_parallel_job(rank, world, extras):
         result["default_strategy"] = _default_strategy_case(rank, world)
         result["buffers"] = {mode: _buffers_case(rank, world, mode) for mode in MODES}
         result["reentrant"] = _reentrant_case(rank, world)
+        result["dispatch_mode"] = _dispatch_mode_case(rank, world)
     return result
 
 
@@ -232,6 +246,18 @@ def test_a_gradient_accumulated_after_its_bucket_was_sent_is_an_error(job2):
         assert result["reentrant"] is not None and result["reentrant"].startswith(
             "torch_autopar: a parameter's gradient was accumulated again after"), \
             f"rank {rank}: {result['reentrant']}"
+
+
+def test_graph_mode_under_a_dispatch_mode_still_averages_gradients(job2):
+    """A FLOP counter around a graph-mode step: dynamo runs the Python, eager mode's reducer averages."""
+    world, results = job2
+    model = support.build_model("mlp")
+    x, y = support.global_batch("mlp", 0)
+    support.loss_fn("mlp", model(x), y).backward()
+    for rank, result in enumerate(results):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(result["dispatch_mode"][name], p.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}/{world} grad of {name}: {m}")
 
 
 def test_default_strategy_averages_gradients_over_ranks(job2):

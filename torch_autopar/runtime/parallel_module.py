@@ -185,7 +185,10 @@ class ParallelModule(torch.nn.Module):
             except _compat.DynamoUnsupported() as error:
                 raise self._graph_error(error) from error
         else:
-            output = self._run_graph(args, kwargs) if mode == "graph" else self._run_eager(args, kwargs)
+            # under a dispatch mode dynamo runs the forward's Python, and the backward graph that would average
+            # the gradients never runs: eager mode's reducer averages them (the same numbers)
+            graph = mode == "graph" and not _compat.dispatch_mode_active()
+            output = self._run_graph(args, kwargs) if graph else self._run_eager(args, kwargs)
         if self.full_batch and self._distributed:  # in the dtype the plan prices, before output_dtype's cast
             local_batch = batch_size(args, kwargs)
             output = pytree.tree_map(lambda leaf: self._gather_batch(leaf, local_batch), output)
