@@ -109,9 +109,12 @@ GRAPH_FULLY_SHARDED = (COMPUTE + all_gather(W1 + B1) + 2 * all_gather(W2 + B2)
 SAVED = 4 * BATCH * (D_HID + D_OUT)
 """Activations counted as kept for backward (fp32, batch-sharded in every plan below): relu's output, and the
 model's output (the graph's output node, which returns the gradients too, counts as a backward user)."""
-DP_MEMORY = 4 * (W1 + B1 + W2 + B2) + SAVED // 2
-"""Problem memory: 4 copies of each parameter (itself, gradient, Adam's two moments) over its shard factor."""
-MIN_MEMORY = 4 * (W1 + B1 + W2 + B2) // 2 + SAVED // 2
+STATE_COPIES = 3
+"""Copies of each parameter held as backward starts (itself, Adam's two moments; no gradient yet): the step's
+peak, as the activations outweigh the gradients (``pricing.peak_bytes``; asserted below)."""
+DP_MEMORY = STATE_COPIES * (W1 + B1 + W2 + B2) + SAVED // 2
+"""Problem memory: the state copies of each parameter over its shard factor, and the activations."""
+MIN_MEMORY = STATE_COPIES * (W1 + B1 + W2 + B2) // 2 + SAVED // 2
 
 
 def _mlp():
@@ -149,7 +152,8 @@ def _forward_outputs(program, problem, choice, ops=("addmm", "relu")):
 
 
 def _memory(problem, choice) -> float:
-    return sum(float(d.memory[a]) for d, a in zip(problem.decisions, choice))
+    """The peak the budget bounds: the larger end of backward (``milp``'s memory rows)."""
+    return max(sum(float(d.memory[phase, a]) for d, a in zip(problem.decisions, choice)) for phase in (0, 1))
 
 
 # the unrestricted optimum --------------------------------------------------------------------------------------
@@ -187,6 +191,8 @@ def test_objective_of_prices_the_data_parallel_choice_by_hand(program):
         solution = milp.solve(problem)
     assert milp.objective_of(problem, solution.choice) == pytest.approx(DATA_PARALLEL, rel=1e-6)
     assert _memory(problem, solution.choice) == DP_MEMORY
+    gradients_end = [sum(float(d.memory[1, a]) for d, a in zip(problem.decisions, solution.choice))]
+    assert gradients_end == [4 * (W1 + B1 + W2 + B2)] and SAVED // 2 > (W1 + B1 + W2 + B2)  # as backward ends
     assert set(_forward_outputs(program, problem, solution.choice).values()) == {(Shard(0),)}
 
 
@@ -208,11 +214,11 @@ def _fitting(budget) -> list[set]:
     """Every set of sharded parameters whose plan fits ``budget``."""
     size = {"W1": W1, "B1": B1, "W2": W2, "B2": B2}
     subsets = [set(s) for r in range(5) for s in itertools.combinations(size, r)]
-    return [s for s in subsets if DP_MEMORY - 2 * sum(size[n] for n in s) <= budget]
+    return [s for s in subsets if DP_MEMORY - STATE_COPIES * sum(size[n] for n in s) // 2 <= budget]
 
 
 def test_budget_just_below_the_first_layer_sharded_shards_the_last_bias_too(program):
-    budget = DP_MEMORY - 2 * (W1 + B1) - 1
+    budget = DP_MEMORY - STATE_COPIES * (W1 + B1) // 2 - 1
     with offline_mesh((2,)) as mesh:
         problem = _problem(program, mesh, budget=budget)
         solution = milp.solve(problem)
@@ -224,7 +230,7 @@ def test_budget_just_below_the_first_layer_sharded_shards_the_last_bias_too(prog
 
 
 def test_budget_that_only_fits_with_w2_sharded_pays_its_gathers(program):
-    all_but_w2 = DP_MEMORY - 2 * (W1 + B1 + B2)
+    all_but_w2 = DP_MEMORY - STATE_COPIES * (W1 + B1 + B2) // 2
     with offline_mesh((2,)) as mesh:
         fits = milp.solve(_problem(program, mesh, budget=all_but_w2))
         problem = _problem(program, mesh, budget=all_but_w2 - 1)

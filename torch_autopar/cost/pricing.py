@@ -1,9 +1,10 @@
 """One set of pricing functions: a node's compute, the optimizer step, a layout change, the gradient sync and its
 buckets, memory per device.
 
-Memory per device is what a training step holds at its peak: each parameter's shard with its gradient and Adam
-state, buffers, and the activations autograd keeps from the forward for backward (``saved_for_backward``: each
-by the storage it keeps alive, on the plan's local shard shapes); a repeated layer that recomputes in backward
+Memory per device is what a training step holds at its peak: each parameter's shard with its Adam state, buffers,
+and the larger of the activations autograd keeps from the forward for backward (``saved_for_backward``: each
+by the storage it keeps alive, on the plan's local shard shapes) and the gradients, which backward makes as it
+frees those activations (``peak_bytes``, ``memory_copies``' two phases); a repeated layer that recomputes in backward
 (activation checkpointing) keeps only its input and makes its activations again, one layer at a time
 (``recomputed_activations``, ``recompute_memory``).
 
@@ -32,6 +33,13 @@ ADAM_STATE_PER_PARAM = 2
 """Optimizer state per parameter: Adam keeps two tensors the size of each parameter."""
 PARAMETER_COPIES = 2 + ADAM_STATE_PER_PARAM
 """Bytes kept per parameter byte: the parameter, its gradient and the optimizer state."""
+PEAK_PHASES = ("backward start", "backward end")
+"""The two moments a training step can peak at (``peak_bytes``): the forward's saved activations all held, or
+every gradient made."""
+FREED_BY_BACKWARD = ("activations", "recomputed_layer", "gathered_for_backward")
+"""The kinds of ``peak_bytes``'s memory that the forward keeps for backward and backward frees as it goes:
+saved activations (with the rise of a recomputed layer's, ``recompute_memory``), and parameters gathered in
+forward and kept for backward."""
 ADAMW_UPDATE_PASSES = 20
 """Bytes one ``torch.optim.AdamW`` step moves through memory per parameter byte, in its default for-loop (CPU)
 and foreach (CUDA) implementations: weight decay (read and write the parameter), ``lerp_`` of the first moment
@@ -279,13 +287,36 @@ def all_recomputed(program: CapturedProgram, layers: dict) -> set[fx.Node]:
     return set().union(*recomputed_activations(program, layers).values())
 
 
-def memory_copies(program: CapturedProgram, recomputed: set[fx.Node] = frozenset()) -> dict[fx.Node, int]:
-    """How many copies of each node's value a device holds through the step (absent: none); the activations in
-    ``recomputed`` are not kept (their layers recompute them in backward)."""
-    copies = {node: 1 for node in saved_for_backward(program) - set(recomputed)}
+def memory_copies(program: CapturedProgram, recomputed: set[fx.Node] = frozenset(),
+                  phase: str = "backward start") -> dict[fx.Node, int]:
+    """How many copies of each node's value a device holds at ``phase``, one of ``PEAK_PHASES`` (absent: none):
+    each parameter with its optimizer state and the buffers throughout; as backward starts, the activations
+    autograd saved (those in ``recomputed`` are not kept: their layers recompute them in backward); as it ends,
+    each parameter's gradient instead (``peak_bytes``)."""
+    if phase not in PEAK_PHASES:
+        raise ValueError(f"torch_autopar: memory phase must be one of {PEAK_PHASES}, found {phase!r}")
+    start = phase == PEAK_PHASES[0]
+    copies = {node: 1 for node in saved_for_backward(program) - set(recomputed)} if start else {}
     copies.update({node: 1 for node in program.buffer_nodes.values()})
-    copies.update({node: PARAMETER_COPIES for node in program.param_nodes.values()})
+    copies.update({node: PARAMETER_COPIES - start for node in program.param_nodes.values()})
     return copies
+
+
+def peak_bytes(memory: dict[str, int]) -> int:
+    """A step's peak bytes per device from its memory by kind (a plan's ``memory_breakdown``). Backward frees
+    what the forward saved for it (``FREED_BY_BACKWARD``) as it makes the gradients, which the step starts
+    without (``optimizer.zero_grad()`` sets them to None, PyTorch's default and ``Model.train``'s), so the two
+    kinds peak at backward's two ends, never together: the step holds everything else plus the larger of them.
+    Measured (``bench/bench_fsdp_memory.py``): the GPT's fully-sharded peak is at backward's end, data
+    parallelism's too, and a plan that keeps every gathered parameter for backward peaks as backward starts."""
+    freed = sum(memory.get(kind, 0) for kind in FREED_BY_BACKWARD)
+    return sum(memory.values()) - min(freed, memory.get("gradients", 0))
+
+
+def peak_phase(memory: dict[str, int]) -> str:
+    """The end of backward (of ``PEAK_PHASES``) where ``peak_bytes(memory)`` is held."""
+    freed = sum(memory.get(kind, 0) for kind in FREED_BY_BACKWARD)
+    return PEAK_PHASES[0] if freed >= memory.get("gradients", 0) else PEAK_PHASES[1]
 
 
 def recompute_memory(activations: int, layers: list[tuple[str, int, int]], recomputed) -> dict[str, int]:

@@ -56,7 +56,7 @@ class Estimate:
 
     @property
     def peak_memory(self) -> int:
-        return sum(self.memory.values())
+        return pricing.peak_bytes(self.memory)
 
 
 def _placements(spec):
@@ -327,8 +327,9 @@ def add_exposed_comm(estimate: Estimate) -> None:
 
 
 def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding, cost: CostModel) -> None:
-    """Bytes per device by kind, the copies ``cost.pricing.memory_copies`` counts: each parameter's shard with its
-    gradient and optimizer state, buffers, and the activations saved for backward."""
+    """Bytes per device by kind, the copies ``cost.pricing.memory_copies`` counts at either end of backward: each
+    parameter's shard with its gradient and optimizer state, buffers, the activations saved for backward and (graph
+    mode) the gathered parameters kept for it; ``Estimate.peak_memory`` is their peak (``pricing.peak_bytes``)."""
     def local(node):
         value, placements = node.meta.get("val"), _placements(sharding.specs.get(node))
         return pricing.local_nbytes(value, placements, cost) * estimate.weight(node)
@@ -339,7 +340,7 @@ def add_memory(estimate: Estimate, program: CapturedProgram, sharding: Sharding,
     estimate.memory = {"parameters": params + buffers, "gradients": params,
                        "optimizer": ADAM_STATE_PER_PARAM * params, "activations": saved}
     if estimate.kept_gathers:  # graph mode: parameters gathered in forward and kept for backward
-        estimate.memory["gathered_parameters"] = sum(estimate.kept_gathers.values())
+        estimate.memory["gathered_for_backward"] = sum(estimate.kept_gathers.values())
     add_layer_activations(estimate, program, sharding, cost)
 
 

@@ -277,11 +277,12 @@ class Executing:
         return {group: names for group, names in groups.items() if names}
 
     def _storage_memory(self, plan: Plan, storage: dict, computed: dict, regathered: dict, flats: list) -> None:
-        """Parameters, gradients and optimizer state are held in the storage layout. Gathered parameters: kept
-        all (by autograd, for backward) they die as the gradients appear, so together the two never exceed the
-        larger; of ``regathered`` groups one is whole at a time and the next one's gather is in flight (the
-        prefetch), next to the root's and the kept groups' and the gradients done so far, which is never more than
-        keeping every group. Gradients in flight: the flat buffer a group's
+        """Parameters, gradients and optimizer state are held in the storage layout. Gathered parameters: those
+        of ``regathered`` groups are whole one group at a time with the next one's gather in flight (the
+        prefetch), at either end of backward ("gathered_parameters", with the root's, which the runner keeps for
+        the step); the other groups' (``Plan.kept_gathered``, or every group without resharding) are kept from
+        their forward until backward frees them as their gradients appear ("gathered_for_backward", which
+        ``pricing.peak_bytes`` never counts with the gradients). Gradients in flight: the flat buffer a group's
         gradients are copied into as they are made, and the collective's copy of it as it is reduce-scattered
         (one parameter's whole gradient, outside flat groups)."""
         local = lambda name, placements: self.program.params[name].nbytes // self.cost.shard_factor(placements)  # noqa: E731
@@ -295,18 +296,19 @@ class Executing:
         in_flat = {name for flat in flats for name in flat.names}
         in_flight = max([whole([n], self.reduce_dtype) for n in grouped - in_flat]
                         + [2 * whole(flat.names, self.reduce_dtype) for flat in flats], default=0)
-        kept_all = max(whole(gathered) - held, 0)
-        if regathered:  # never more than keeping every group gathered
-            largest = sorted(map(whole, regathered.values()))[-2:]
-            kept = min(whole(n for n in gathered if n not in grouped) + sum(largest), kept_all)
+        if regathered:
+            in_groups = {name for names in reshard_groups(storage).values() for name in names}
+            prefetched = sum(sorted(map(whole, regathered.values()))[-2:])
+            transient = whole(n for n in gathered if n not in in_groups) + prefetched
+            kept = whole(n for n in gathered if n in in_groups and n not in grouped)
         else:
-            kept = kept_all
+            transient, kept = 0, whole(gathered)
         buffers = plan.memory_breakdown.get("parameters", 0) - sum(local(n, computed[n]) for n in storage)
-        plan.memory_breakdown = {"parameters": held + max(buffers, 0), "gathered_parameters": kept,
-                                 "gradients": held, "gradients_in_flight": in_flight,
+        plan.memory_breakdown = {"parameters": held + max(buffers, 0), "gathered_parameters": transient,
+                                 "gathered_for_backward": kept, "gradients": held, "gradients_in_flight": in_flight,
                                  "optimizer": est.ADAM_STATE_PER_PARAM * held,
                                  "activations": plan.memory_breakdown.get("activations", 0)}
-        plan.peak_memory = sum(plan.memory_breakdown.values())
+        plan.peak_memory = pricing.peak_bytes(plan.memory_breakdown)
 
     def _gathered_nbytes(self, name: str, placements: tuple, dtype: torch.dtype | None) -> int:
         """Bytes of parameter ``name`` (or its gradient) in ``placements`` and ``dtype`` (None: its own)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 
+from torch_autopar.cost import pricing
 from torch_autopar.search.recompute import recomputed
 
 
@@ -87,7 +88,8 @@ def explain(plan) -> str:
                  + (f" with the optimizer step's {_seconds(optimizer)}" if optimizer else "")
                  + f", exposed communication {_seconds(plan.exposed_comm_time)})")
     breakdown = ", ".join(f"{k} {_bytes(v)}" for k, v in plan.memory_breakdown.items())
-    lines.append(f"peak memory per device: {_bytes(plan.peak_memory)} ({breakdown})")
+    at = f" as {pricing.peak_phase(plan.memory_breakdown)}s" if plan.pipeline_stages == 1 else ""
+    lines.append(f"peak memory per device: {_bytes(plan.peak_memory)}{at} ({breakdown})")
     lines += _recompute_lines(plan)
     if plan.replicated_ops:
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(plan.replicated_ops.items()))

@@ -31,7 +31,8 @@ Constraints
     (1) Σ_a x[d, a] = 1                               one strategy per decision     (``_one_strategy_rows``)
     (2) Σ_q y[e, p, q] = Σ_{a: rows_e[a] = p} x[u, a]   for every p   producer marginals (``_edge_rows``)
     (3) Σ_p y[e, p, q] = Σ_{b: cols_e[b] = q} x[v, b]   for every q   consumer marginals (``_edge_rows``)
-    (4) Σ_d Σ_a mem[d, a] · x[d, a] ≤ memory budget    bytes per device             (``_memory_row``)
+    (4) Σ_d Σ_a mem[d, t, a] · x[d, a] ≤ memory budget  bytes per device at either end t of backward
+        (activations held as it starts, gradients made as it ends: ``cost.pricing.peak_bytes``) (``_memory_rows``)
     (5) g ≥ Σ_{e grad} Σ_p Σ_q C_e[p, q] · y[e, p, q] + Σ_{k grad} L_k · z[k] − Σ_d Σ_a bwd[d, a] · x[d, a]
         g ≥ Σ_p Σ_q last_e · C_e[p, q] · y[e, p, q]    for the edge e of the gradient ready last
         gradient syncs overlap the backward compute (bwd: its share of cost) except the last one, which
@@ -56,7 +57,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from torch_autopar.cost.pricing import exposed_grad_sync
+from torch_autopar.cost.pricing import PEAK_PHASES, exposed_grad_sync
 from torch_autopar.errors import AutoparError
 from torch_autopar.search.problem import ShardingProblem
 
@@ -163,19 +164,20 @@ class _Model:
                 moving = np.flatnonzero(self.problem.edges[key].latency_codes.reshape(-1) == code)
                 self._row([(self.y_offset[key] + int(i), 1.0) for i in moving] + [(z, -1.0)], -np.inf, 0.0)
 
-    def _memory_row(self) -> None:
+    def _memory_rows(self) -> None:
         if np.isinf(self.problem.memory_budget):
             return
-        entries = [(self.x_offset[d] + a, float(m)) for d, decision in enumerate(self.problem.decisions)
-                   for a, m in enumerate(decision.memory) if m]
-        self._row(entries, -np.inf, float(self.problem.memory_budget))
+        for phase in range(len(PEAK_PHASES)):
+            entries = [(self.x_offset[d] + a, float(m)) for d, decision in enumerate(self.problem.decisions)
+                       for a, m in enumerate(decision.memory[phase]) if m]
+            self._row(entries, -np.inf, float(self.problem.memory_budget))
 
     def build(self) -> None:
         self._add_choice_vars()
         self._add_edge_vars()
         self._one_strategy_rows()
         self._edge_rows()
-        self._memory_row()
+        self._memory_rows()
         self._group_latencies()
         self._exposed_grad_sync()
 
@@ -198,15 +200,23 @@ class _Model:
                       integrality=np.array(self.integral), bounds=Bounds(0.0, upper),
                       options={"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": 1e-6})
         if result.x is None:
-            raise AutoparError(_infeasible_message(self.problem, result.message))
+            raise AutoparError(_infeasible_message(self.problem, result.message, smallest_memory(self.problem)))
         choice = [int(np.argmax(result.x[s:s + len(d.strategies)]))
                   for s, d in zip(self.x_offset, self.problem.decisions)]
         return Solution(choice=choice, objective=float(result.fun) / MICROSECONDS, seconds=time.perf_counter() - started,
                         num_variables=n, status=str(result.message), optimal=result.status == 0)
 
 
-def _infeasible_message(problem: ShardingProblem, message: str) -> str:
-    smallest = sum(float(np.min(d.memory)) for d in problem.decisions)
+def smallest_memory(problem: ShardingProblem, allowed: dict[int, list[int]] | None = None) -> float:
+    """A lower bound of any plan's peak bytes (per phase, each decision's least memory; the larger phase)."""
+    def least(index: int, decision) -> np.ndarray:
+        memory = decision.memory if not allowed or index not in allowed else decision.memory[:, allowed[index]]
+        return memory.min(axis=1)
+
+    return float(max(sum(least(i, d) for i, d in enumerate(problem.decisions))))
+
+
+def _infeasible_message(problem: ShardingProblem, message: str, smallest: float) -> str:
     return (f"no sharding fits the memory budget of {problem.memory_budget:,.0f} bytes per device "
             f"(solver: {message}); the smallest per-device memory any plan needs is about {smallest:,.0f} bytes. "
             "Raise memory_budget, use a larger mesh, or a smaller batch.")
@@ -221,10 +231,9 @@ class Solver:
         self.model.build()
 
     def solve(self, time_limit_s: float = 60.0, allowed: dict[int, list[int]] | None = None) -> Solution:
-        smallest = sum(float(np.min(d.memory if not allowed or i not in allowed else d.memory[allowed[i]]))
-                       for i, d in enumerate(self.problem.decisions))
+        smallest = smallest_memory(self.problem, allowed)
         if smallest > self.problem.memory_budget:
-            raise AutoparError(_infeasible_message(self.problem, "the budget is below every plan's memory"))
+            raise AutoparError(_infeasible_message(self.problem, "the budget is below every plan's memory", smallest))
         return self.model.solve(time_limit_s, allowed)
 
 

@@ -38,6 +38,8 @@ class Decision:
     backward_cost: np.ndarray = None
     """The part of ``cost`` spent in backward compute (gradient synchronisation can hide behind it)."""
     memory: np.ndarray = None
+    """Bytes per device, per phase of ``pricing.PEAK_PHASES`` (rows) and strategy (columns): the step's memory
+    at either end of backward, which the budget bounds both (``pricing.peak_bytes``)."""
 
 
 @dataclass(kw_only=True)
@@ -216,7 +218,7 @@ class _Builder:
         self.followers: set[fx.Node] = set()
         self.id_cache: dict = {}
         self.matrix_cache: dict = {}
-        self.copies = pricing.memory_copies(program, recomputed)
+        self.copies = [pricing.memory_copies(program, recomputed, phase) for phase in pricing.PEAK_PHASES]
         self.params = set(program.param_nodes.values())
         self.group_of = {program.param_nodes[name]: group
                          for name, group in param_gathers.gather_groups(program.param_nodes).items()}
@@ -289,7 +291,7 @@ class _Builder:
         self.problem.output_of[node] = lambda a, own=own, follow=follow: own[follow[a]].output
         self.followers.add(node)
         self._add_cost(decision, node, self._node_cost(node, own)[follow])
-        decision.memory += self._node_memory(node, own)[follow]
+        decision.memory += self._node_memory(node, own)[:, follow]
         return True
 
     def _node_cost(self, node: fx.Node, strategies) -> np.ndarray:
@@ -312,21 +314,21 @@ class _Builder:
         return pricing.compute_seconds(node, self.flops[node], strategy.inputs, strategy.output, self.cost)
 
     def _node_memory(self, node: fx.Node, strategies) -> np.ndarray:
-        copies = self.copies.get(node, 0) * self.weights.get(node, 1)
-        if not copies:
-            return np.zeros(len(strategies))
-        value = node.meta.get("val")
-        return np.array([copies * pricing.local_nbytes(value, s.output, self.cost) for s in strategies], dtype=float)
+        """Bytes of ``node``'s copies per phase (rows) in the layout of each strategy (columns)."""
+        return self._memory(node, [s.output for s in strategies])
 
     def _add_output_memory(self, decision: Decision, node: fx.Node) -> None:
         """The memory of one output of a multi-output op (a saved mean of a layer norm), in the layout each
         strategy of its op's decision gives it."""
-        copies = self.copies.get(node, 0) * self.weights.get(node, 1)
-        if copies:
-            value = node.meta.get("val")
-            output = self.problem.node_output
-            decision.memory += np.array([copies * pricing.local_nbytes(value, output(node, a), self.cost)
-                                         for a in range(len(decision.strategies))], dtype=float)
+        output = self.problem.node_output
+        decision.memory += self._memory(node, [output(node, a) for a in range(len(decision.strategies))])
+
+    def _memory(self, node: fx.Node, layouts: list) -> np.ndarray:
+        copies = np.array([phase.get(node, 0) for phase in self.copies], dtype=float) * self.weights.get(node, 1)
+        if not copies.any():
+            return np.zeros((len(copies), len(layouts)))
+        value = node.meta.get("val")
+        return np.outer(copies, [pricing.local_nbytes(value, layout, self.cost) for layout in layouts])
 
     # edges ------------------------------------------------------------------------------------------------------
     def reshard(self, source, target, nbytes: int) -> float:
