@@ -139,6 +139,28 @@ def _dispatch_mode_case(rank, world):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _sharded_dispatch_mode_case(rank, world):
+    """A sharded plan in graph mode under FlopCounterMode: the first call, which captures the program, is refused
+    with the cause; after one call outside it, a step under it gives one backward's gradients."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = support.build_model("mlp")
+    pmodel = autopar.compile(model, strategy="fully_shard", mode="graph")
+    x, y = (t.chunk(world)[rank] for t in support.global_batch("mlp", 0))
+    with FlopCounterMode(display=False):
+        try:
+            pmodel(x)
+            refused = None
+        except autopar.AutoparError as error:
+            refused = str(error)
+    support.loss_fn("mlp", pmodel(x), y).backward()
+    pmodel.zero_grad()
+    with FlopCounterMode(display=False) as counter:
+        support.loss_fn("mlp", pmodel(x), y).backward()
+    return {"refused": refused, "flops": counter.get_total_flops(),
+            "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+
+
 def _data_parallel_job(rank, world, extras):
     launched = {"init": autopar.init(), "rank": autopar.get_rank(), "world": autopar.get_world_size()}
     result = {"launched": launched,
@@ -149,6 +171,7 @@ def _data_parallel_job(rank, world, extras):
         result["buffers"] = {mode: _buffers_case(rank, world, mode) for mode in MODES}
         result["reentrant"] = _reentrant_case(rank, world)
         result["dispatch_mode"] = _dispatch_mode_case(rank, world)
+        result["sharded_dispatch_mode"] = _sharded_dispatch_mode_case(rank, world)
     return result
 
 
@@ -263,6 +286,19 @@ def test_graph_mode_under_a_dispatch_mode_still_averages_gradients(job2):
     for rank, result in enumerate(results):
         for name, grad in _one_process_grads().items():
             torch.testing.assert_close(result["dispatch_mode"][name], grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}/{world} grad of {name}: {m}")
+
+
+def test_sharded_graph_mode_under_a_dispatch_mode_names_the_cause_then_runs_its_program(job2):
+    world, results = job2
+    for rank, result in enumerate(results):
+        case = result["sharded_dispatch_mode"]
+        assert case["refused"] is not None, f"rank {rank}"
+        assert case["refused"].startswith("torch_autopar: could not capture MLP.forward under the dispatch mode")
+        assert "make that call outside the mode" in case["refused"] and "module_tracker" in case["refused"]
+        assert case["flops"] > 0
+        for name, grad in _one_process_grads().items():
+            torch.testing.assert_close(case["grads"][name], grad, rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"rank {rank}/{world} grad of {name}: {m}")
 
 

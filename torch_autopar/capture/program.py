@@ -155,6 +155,8 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     try:
         graph, _ = _compat.export_joint(_CapturableOutputs(module, call), tuple(args), kwargs or {}, names_from=module)
     except Exception as error:  # dynamo's Unsupported/UserError, fake tensors' DataDependentOutputException, ...
+        if _compat.dispatch_mode_active():
+            raise under_dispatch_mode(type(module).__name__, error) from error
         raise AutoparError(
             f"could not capture {type(module).__name__}.forward as one graph: {_compat.graph_break_reason(error)}. "
             "Planning a sharded strategy needs the whole forward as one graph (dynamo, as torch.export); remove "
@@ -162,6 +164,16 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             "on tensor values), or run data parallelism (strategy='data_parallel'), which needs no capture."
         ) from error
     return _describe(graph)
+
+
+def under_dispatch_mode(name: str, error: Exception) -> AutoparError:
+    """The error of a capture that failed under an active dispatch mode (graph mode captures its program on the
+    first call for each input shape), which may be the cause: FlopCounterMode's module tracker cannot be traced."""
+    return AutoparError(
+        f"could not capture {name}.forward under the dispatch mode active here (FlopCounterMode's module tracker, "
+        f"for one): {_compat.graph_break_reason(error)}. Graph mode captures its program on the first call for each "
+        "input shape: make that call outside the mode (the program then runs under it, with the same numbers), or "
+        "use mode='eager'.")
 
 
 def _describe(graph: fx.GraphModule) -> CapturedProgram:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torch_autopar import _compat
+from torch_autopar.capture.program import under_dispatch_mode
 from torch_autopar.errors import AutoparError
 from torch_autopar.launch.faults import collective_failure
 from torch_autopar.rewrite import GradientReducer
@@ -253,6 +254,8 @@ class ParallelModule(torch.nn.Module):
                 f"graph mode captured {type(self.module).__name__}.forward, but the graph compiler "
                 f"({backends.graph_compiler()!r}) failed on it: {str(error).splitlines()[0][:300]}. Run the graphs as "
                 "Python (AUTOPAR_GRAPH_COMPILER=python) or in eager mode (compile(..., mode='eager')).")
+        if _compat.dispatch_mode_active():
+            return under_dispatch_mode(type(self.module).__name__, error)
         return AutoparError(
             f"graph mode could not compile {type(self.module).__name__}.forward as one graph: "
             f"{_compat.graph_break_reason(error)}. A sharded plan runs the whole forward as one graph; remove or "
