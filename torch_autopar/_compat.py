@@ -79,10 +79,35 @@ def capture_forward(module: torch.nn.Module, args: tuple, kwargs: dict | None = 
     ``_dynamo_graph_capture_for_export``: ``torch.export``'s own capture, with no public forward-only entry."""
     from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
 
-    with compiling_without_logging():
+    with compiling_without_logging(), _static_shapes_unchecked():
         captured = _dynamo_graph_capture_for_export(module)(*args, **(kwargs or {}))
     _restore_names(names_from if names_from is not None else module, captured)
     return captured
+
+
+@contextlib.contextmanager
+def _static_shapes_unchecked():
+    """While ``capture_forward`` runs: the export capture's check for violated dynamic-shape constraints is skipped
+    when no dynamic shapes were asked for (ours: every shape is static), where it can find none. It builds the
+    frame's guards for nothing, a fifth of a capture (1.2 of 6.4 s for a 12-block GPT). Private
+    ``functional_export._suggest_or_raise_constraint_violation``; where it is absent, nothing changes."""
+    from torch._dynamo import functional_export
+
+    check = getattr(functional_export, "_suggest_or_raise_constraint_violation", None)
+    if check is None:
+        yield
+        return
+
+    def only_with_dynamic_shapes(*args, **kwargs):
+        dynamic_shapes = kwargs.get("dynamic_shapes", args[-1] if args else None)
+        if dynamic_shapes is not None:
+            check(*args, **kwargs)
+
+    functional_export._suggest_or_raise_constraint_violation = only_with_dynamic_shapes
+    try:
+        yield
+    finally:
+        functional_export._suggest_or_raise_constraint_violation = check
 
 
 def captured_output_spec(captured: torch.fx.GraphModule):
