@@ -26,7 +26,7 @@ from torch_autopar.runtime import backend as backends
 from torch_autopar.runtime import checks, recompute
 from torch_autopar.runtime.modes import get_mode
 from torch_autopar.runtime.precision import CastCall, MixedPrecision, cast_inputs, cast_outputs, reduce_dtype
-from torch_autopar.runtime.sharded import ShardedRunner, check_equal_slices
+from torch_autopar.runtime.sharded import ShardedRunner
 from torch_autopar.strategies import boundary
 from torch_autopar.search import Plan
 
@@ -240,9 +240,10 @@ class ParallelModule(torch.nn.Module):
         if self._compiled is None:
             self._compiled = self._compile()
         if self._reducer is not None and torch.is_grad_enabled():
-            self._reducer.skip()
-            if not self.full_batch:  # full batches: cut into equal slices here
-                self._check_batch_sizes(args, kwargs)
+            if self.full_batch:  # full batches: cut into equal slices here
+                self._reducer.skip()
+            else:
+                self._reducer.check_in_background(batch_size(args, kwargs))
         try:
             return self._compiled(*args, **kwargs)
         except _compat.DynamoUnsupported() as error:
@@ -272,10 +273,6 @@ class ParallelModule(torch.nn.Module):
             backend = backends.autopar_backend
         target = self.module if self.mixed_precision is None else CastCall(self.module, self.mixed_precision)
         return backends.compile_own(target, backend, fullgraph=False)  # graph breaks: pieces, as torch.compile
-
-    def _check_batch_sizes(self, args, kwargs) -> None:
-        check_equal_slices(batch_size(args, kwargs), self.world_size, self._group,
-                           "averaged gradients would not equal the global batch's")
 
     def _local_slice(self, args, kwargs):
         rank, size = dist.get_rank(self._group), self.world_size

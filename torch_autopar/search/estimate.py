@@ -20,6 +20,10 @@ from torch_autopar.cost.pricing import ADAM_STATE_PER_PARAM
 from torch_autopar.search.plan import LayerActivations, PlannedCollective
 from torch_autopar.strategies import Sharding, boundary, param_gathers
 
+HIDDEN_PHASES = ("grad_sync", "background")
+"""Collectives that run alongside backward and are waited for as it ends: the gradient buckets' ("grad_sync"), and
+the checks issued ahead of that ("background": data parallelism's batch check, ``rewrite.reducer``)."""
+
 
 @dataclass(kw_only=True)
 class Estimate:
@@ -318,10 +322,10 @@ def _grad_layout(sharding: Sharding, node: fx.Node | None):
 
 
 def add_exposed_comm(estimate: Estimate) -> None:
-    """Forward/backward redistributions are exposed; gradient sync hides behind backward except the last bucket
-    (``cost.pricing.exposed_grad_sync``)."""
-    blocking = sum(c.seconds * c.count for c in estimate.collectives if c.phase != "grad_sync")
-    total_grad = sum(c.seconds * c.count for c in estimate.collectives if c.phase == "grad_sync")
+    """Forward/backward redistributions are exposed; gradient sync, and what is waited for with it
+    (``HIDDEN_PHASES``), hides behind backward except the last bucket (``cost.pricing.exposed_grad_sync``)."""
+    blocking = sum(c.seconds * c.count for c in estimate.collectives if c.phase not in HIDDEN_PHASES)
+    total_grad = sum(c.seconds * c.count for c in estimate.collectives if c.phase in HIDDEN_PHASES)
     estimate.exposed_comm = blocking + pricing.exposed_grad_sync(total_grad, estimate.last_grad_sync,
                                                                  estimate.backward_compute)
 

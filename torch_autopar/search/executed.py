@@ -218,14 +218,17 @@ class Executing:
         every rank passes the whole batch."""
         return boundary.arrival(node.meta["val"], self.mesh.ndim, self.full_batch)
 
-    def _batch_check(self) -> PlannedCollective:
-        """The sharded runtime's per-step input check: equal batch slices (16 bytes), or with full batches the
-        same batch on every rank (``runtime.checks.check_same_full_batch``: 32 bytes per input tensor)."""
+    def _batch_check(self, background: bool = False) -> PlannedCollective:
+        """The runtime's per-step input check: equal batch slices (16 bytes), or with full batches the same batch
+        on every rank (``runtime.checks.check_same_full_batch``: 32 bytes per input tensor). Waited for before
+        the forward, or with ``background`` (data parallelism's slice check, ``rewrite.reducer``) as backward ends,
+        hidden as the gradient syncs are (``estimate.HIDDEN_PHASES``)."""
         tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in self.program.input_nodes.values())
         nbytes, where = (FULL_BATCH_CHECK_BYTES * tensors, BATCH_CHECKS[1]) if self.full_batch else (
             BATCH_CHECK_BYTES, BATCH_CHECKS[0])
         return PlannedCollective(kind="all_reduce", axis=ALL_AXES_SEPARATOR.join(self.axis_names), nbytes=nbytes,
-                                 phase="forward", where=where, seconds=self.cost.collective_time("all_reduce", 0, nbytes))
+                                 phase="background" if background else "forward", where=where,
+                                 seconds=self.cost.collective_time("all_reduce", 0, nbytes))
 
     def _dispatch_overhead(self, plan: Plan) -> None:
         """Eager sharded execution: every op of forward and backward goes through DTensor's dispatch."""

@@ -33,7 +33,8 @@ class PlannedCollective:
     nbytes: int
     """Full buffer bytes on one rank."""
     phase: str
-    """forward | backward | grad_sync"""
+    """forward | backward | grad_sync | background (issued ahead, waited for as backward ends: data parallelism's
+    batch check)"""
     where: str
     """The graph node or gradient bucket it belongs to."""
     seconds: float

@@ -415,7 +415,7 @@ class Planner(Executing):
                           placements, self.axis_names, flat_nbytes,
                           grouped_in=self.mode if group_latency and not graph_program else None)
         if graph_program or local_compute and self._checks_batch_apart():
-            estimate.collectives.append(self._batch_check())
+            estimate.collectives.append(self._batch_check(background=local_compute and not self.full_batch))
         est.add_exposed_comm(estimate)
         est.add_optimizer(estimate, infos, placements, self.cost)
         est.add_memory(estimate, program, sharding, self.cost)
@@ -443,9 +443,9 @@ class Planner(Executing):
 
     def _checks_batch_apart(self) -> bool:
         """Whether data parallelism checks its input batch with a collective of its own (``_batch_check``): with
-        full batches (the same batch on every rank), in graph mode (its slices' sizes, before each forward), and
-        in eager mode when its first gradient bucket is reduced in a dtype that cannot carry them exactly
-        (``rewrite.reducer``)."""
+        full batches (the same batch on every rank, before the forward), in graph mode (its slices' sizes, issued
+        with the forward and waited for as backward ends), and in eager mode when its first gradient bucket is
+        reduced in a dtype that cannot carry them exactly (``rewrite.reducer``)."""
         low_precision = self.reduce_dtype is not None and self.reduce_dtype not in (torch.float32, torch.float64)
         return self.full_batch or self.mode == "graph" or low_precision
 
