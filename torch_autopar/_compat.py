@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import pickle
 import re
 from typing import Any, Callable
@@ -98,9 +99,10 @@ def _static_shapes_unchecked():
         yield
         return
 
+    signature = inspect.signature(check)
+
     def only_with_dynamic_shapes(*args, **kwargs):
-        dynamic_shapes = kwargs.get("dynamic_shapes", args[-1] if args else None)
-        if dynamic_shapes is not None:
+        if signature.bind(*args, **kwargs).arguments.get("dynamic_shapes") is not None:
             check(*args, **kwargs)
 
     functional_export._suggest_or_raise_constraint_violation = only_with_dynamic_shapes

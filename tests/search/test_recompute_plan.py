@@ -67,13 +67,14 @@ def test_auto_raises_when_even_full_recomputation_does_not_fit():
     full = _plan("full")
     assert full.activation_checkpointing == {f"blocks.{i}": "full" for i in range(4)}
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: no plan fits the memory budget .* even with "
-                                                   r"every repeated layer recomputed .*Raise memory_budget"):
+                                                   r"the repeated layers recomputed that lower it .*Raise "
+                                                   r"memory_budget"):
         _plan("auto", full.peak_memory - 1)
 
 
 def test_auto_says_recomputation_was_counted_when_no_sharding_fits():
-    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: no .*fits the memory budget.*even with every "
-                                                   r"repeated layer recomputed"):
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: no .*fits the memory budget.*even with (every "
+                                                   r"repeated layer|the repeated layers) recomputed"):
         _plan("auto", 100_000, mesh_shape=(2,))
 
 

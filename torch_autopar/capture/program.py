@@ -167,13 +167,14 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
 
 
 def under_dispatch_mode(name: str, error: Exception) -> AutoparError:
-    """The error of a capture that failed under an active dispatch mode (graph mode captures its program on the
-    first call for each input shape), which may be the cause: FlopCounterMode's module tracker cannot be traced."""
+    """The error of a capture that failed under an active dispatch mode, which may be the cause: FlopCounterMode's
+    module tracker cannot be traced. Captures run to plan (``compile``, ``plan``) and on graph mode's first call
+    for each input shape."""
     return AutoparError(
         f"could not capture {name}.forward under the dispatch mode active here (FlopCounterMode's module tracker, "
-        f"for one): {_compat.graph_break_reason(error)}. Graph mode captures its program on the first call for each "
-        "input shape: make that call outside the mode (the program then runs under it, with the same numbers), or "
-        "use mode='eager'.")
+        f"for one): {_compat.graph_break_reason(error)}. autopar captures a forward to plan it (compile, plan) and, "
+        "in graph mode, on the first call for each input shape: make those calls outside the mode (what runs "
+        "afterwards runs under it, with the same numbers), or run that call in eager mode (mode='eager').")
 
 
 def _describe(graph: fx.GraphModule) -> CapturedProgram:

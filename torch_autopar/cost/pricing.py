@@ -308,7 +308,9 @@ def peak_bytes(memory: dict[str, int]) -> int:
     without (``optimizer.zero_grad()`` sets them to None, PyTorch's default and ``Model.train``'s), so the two
     kinds peak at backward's two ends, never together: the step holds everything else plus the larger of them.
     Measured (``bench/bench_fsdp_memory.py``): the GPT's fully-sharded peak is at backward's end, data
-    parallelism's too, and a plan that keeps every gathered parameter for backward peaks as backward starts."""
+    parallelism's too, and a plan that keeps every gathered parameter for backward peaks as backward starts.
+    Steps that keep gradients while the next forward runs (accumulating micro-batches, ``zero_grad(set_to_none=
+    False)``) hold both: up to the smaller of the two more than this (pipeline schedules price that sum)."""
     freed = sum(memory.get(kind, 0) for kind in FREED_BY_BACKWARD)
     return sum(memory.values()) - min(freed, memory.get("gradients", 0))
 

@@ -26,6 +26,7 @@ from torch_autopar.errors import AutoparError
 from torch_autopar.launch.faults import collective_failure
 
 _PHASE = "backward: gradient all-reduce"
+_CHECK_PHASE = "forward: the previous call's batch-size check"
 
 
 class GradientReducer:
@@ -54,7 +55,7 @@ class GradientReducer:
     def arm(self, local_batch: int | None) -> None:
         """Called by the forward pass: the next backward's gradients are to be averaged (from empty buckets,
         whatever a backward that raised midway left)."""
-        self._translating_failures(self._wait_batch_check)
+        self._translating_failures(self._wait_batch_check, phase=_CHECK_PHASE)
         self._reset()
         self._armed, self._reduced = True, False
         self.local_batch = local_batch
@@ -71,8 +72,9 @@ class GradientReducer:
         (3-9 ms a step on 2-4 gloo ranks, measured on the bench GPT). Unequal slices raise at ``backward()``, as
         eager mode's do, before an optimizer step can take the wrong average; a check no backward waited for
         (a forward alone) is waited for before the next one is issued, so every rank issues them in one order."""
-        self._translating_failures(self._wait_batch_check)
+        self._translating_failures(self._wait_batch_check, phase=_CHECK_PHASE)
         self.skip()
+        self._callback_queued = False  # a backward that raised may have dropped the callback it queued
         self.local_batch = local_batch
         batch = float(local_batch or 0)
         check = torch.tensor([batch, batch * batch], dtype=torch.float64)
@@ -101,11 +103,11 @@ class GradientReducer:
             work.wait()
             self._check_batches(check)
 
-    def _translating_failures(self, fn, *args) -> None:
+    def _translating_failures(self, fn, *args, phase: str = _PHASE) -> None:
         try:
             fn(*args)
         except RuntimeError as error:
-            failure = collective_failure(error, self._step(), _PHASE)
+            failure = collective_failure(error, self._step(), phase)
             if failure is None:
                 raise
             raise failure from error
@@ -192,7 +194,7 @@ class GradientReducer:
 
     def _check_batches(self, sums: torch.Tensor) -> None:
         total, squares = float(sums[0]), float(sums[1])
-        if self.local_batch and abs(self.world_size * squares - total * total) > 0.5:
+        if abs(self.world_size * squares - total * total) > 0.5:  # every rank raises (an empty slice too)
             raise AutoparError(
                 f"ranks were given batches of unequal size (this rank: {self.local_batch}, sum over "
                 f"{self.world_size} ranks: {int(total)}); averaged gradients would not equal the global batch's. "

@@ -283,7 +283,7 @@ class Executing:
         """Parameters, gradients and optimizer state are held in the storage layout. Gathered parameters: those
         of ``regathered`` groups are whole one group at a time with the next one's gather in flight (the
         prefetch), at either end of backward ("gathered_parameters", with the root's, which the runner keeps for
-        the step); the other groups' (``Plan.kept_gathered``, or every group without resharding) are kept from
+        the step); the other groups' (``Plan.kept_gathered``, or every layer's without resharding) are kept from
         their forward until backward frees them as their gradients appear ("gathered_for_backward", which
         ``pricing.peak_bytes`` never counts with the gradients). Gradients in flight: the flat buffer a group's
         gradients are copied into as they are made, and the collective's copy of it as it is reduce-scattered
@@ -299,13 +299,11 @@ class Executing:
         in_flat = {name for flat in flats for name in flat.names}
         in_flight = max([whole([n], self.reduce_dtype) for n in grouped - in_flat]
                         + [2 * whole(flat.names, self.reduce_dtype) for flat in flats], default=0)
-        if regathered:
-            in_groups = {name for names in reshard_groups(storage).values() for name in names}
-            prefetched = sum(sorted(map(whole, regathered.values()))[-2:])
-            transient = whole(n for n in gathered if n not in in_groups) + prefetched
-            kept = whole(n for n in gathered if n in in_groups and n not in grouped)
-        else:
-            transient, kept = 0, whole(gathered)
+        in_groups = {name for names in reshard_groups(storage).values() for name in names}
+        root = whole(n for n in gathered if n not in in_groups)  # kept by the runner for the whole step
+        prefetched = sum(sorted(map(whole, regathered.values()))[-2:])
+        transient = root + prefetched
+        kept = whole(n for n in gathered if n in in_groups and n not in grouped)
         buffers = plan.memory_breakdown.get("parameters", 0) - sum(local(n, computed[n]) for n in storage)
         plan.memory_breakdown = {"parameters": held + max(buffers, 0), "gathered_parameters": transient,
                                  "gathered_for_backward": kept, "gradients": held, "gradients_in_flight": in_flight,

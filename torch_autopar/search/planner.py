@@ -548,7 +548,7 @@ class Planner(Executing):
         fitting = [plan for plan in plans if plan.peak_memory <= self.budget]
         if not fitting:
             smallest = min(plan.peak_memory for plan in plans)
-            recomputing = (" even with every repeated layer recomputed (activation_checkpointing='auto')"
+            recomputing = (" even with the repeated layers recomputed that lower it (activation_checkpointing='auto')"
                            if self.activation_checkpointing == "auto" else "")
             raise AutoparError(
                 f"no plan fits the memory budget of {self.budget:,} bytes per device: the smallest candidate "

@@ -71,8 +71,12 @@ def choose(plan: Plan, policy, candidates, budget: float) -> None:
             del chosen[name]
             apply_choice(plan, chosen)
     if plan.peak_memory > budget:  # a skipped layer may still help together with the rest: all of them
+        greedy, peak = dict(chosen), plan.peak_memory
         chosen = {name: "full" for name in order}
         apply_choice(plan, chosen)
+        if plan.peak_memory >= peak:  # no lower (the peak is the gradients' as backward ends): none more
+            chosen = greedy
+            apply_choice(plan, chosen)
     if chosen:
         plan.notes.append(f"activation_checkpointing='auto': {len(chosen)} of {len(order)} layers recompute to fit "
                           f"the memory budget of {budget:,.0f} bytes ({plan.peak_memory:,} bytes per device)")
