@@ -288,21 +288,22 @@ def all_recomputed(program: CapturedProgram, layers: dict) -> set[fx.Node]:
 
 
 def memory_copies(program: CapturedProgram, recomputed: set[fx.Node] = frozenset(),
-                  phase: str = "backward start") -> dict[fx.Node, int]:
+                  phase: str = "backward start", backward_frees: bool = True) -> dict[fx.Node, int]:
     """How many copies of each node's value a device holds at ``phase``, one of ``PEAK_PHASES`` (absent: none):
     each parameter with its optimizer state and the buffers throughout; as backward starts, the activations
     autograd saved (those in ``recomputed`` are not kept: their layers recompute them in backward); as it ends,
-    each parameter's gradient instead (``peak_bytes``)."""
+    each parameter's gradient instead (``peak_bytes``); without ``backward_frees`` (graph mode) the gradients
+    are counted at both ends."""
     if phase not in PEAK_PHASES:
         raise ValueError(f"torch_autopar: memory phase must be one of {PEAK_PHASES}, found {phase!r}")
     start = phase == PEAK_PHASES[0]
     copies = {node: 1 for node in saved_for_backward(program) - set(recomputed)} if start else {}
     copies.update({node: 1 for node in program.buffer_nodes.values()})
-    copies.update({node: PARAMETER_COPIES - start for node in program.param_nodes.values()})
+    copies.update({node: PARAMETER_COPIES - (start and backward_frees) for node in program.param_nodes.values()})
     return copies
 
 
-def peak_bytes(memory: dict[str, int]) -> int:
+def peak_bytes(memory: dict[str, int], backward_frees: bool = True) -> int:
     """A step's peak bytes per device from its memory by kind (a plan's ``memory_breakdown``). Backward frees
     what the forward saved for it (``FREED_BY_BACKWARD``) as it makes the gradients, which the step starts
     without (``optimizer.zero_grad()`` sets them to None, PyTorch's default and ``Model.train``'s), so the two
@@ -310,7 +311,12 @@ def peak_bytes(memory: dict[str, int]) -> int:
     Measured (``bench/bench_fsdp_memory.py``): the GPT's fully-sharded peak is at backward's end, data
     parallelism's too, and a plan that keeps every gathered parameter for backward peaks as backward starts.
     Steps that keep gradients while the next forward runs (accumulating micro-batches, ``zero_grad(set_to_none=
-    False)``) hold both: up to the smaller of the two more than this (pipeline schedules price that sum)."""
+    False)``) hold both: up to the smaller of the two more than this (pipeline schedules price that sum).
+    ``backward_frees`` False: graph mode, whose compiled backward is one autograd node that releases what the
+    forward saved only as it ends (measured: the fully-sharded GPT's graph-mode peak is the sum), so the step
+    holds the sum of every kind."""
+    if not backward_frees:
+        return sum(memory.values())
     freed = sum(memory.get(kind, 0) for kind in FREED_BY_BACKWARD)
     return sum(memory.values()) - min(freed, memory.get("gradients", 0))
 

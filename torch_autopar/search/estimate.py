@@ -28,6 +28,8 @@ the checks issued ahead of that ("background": data parallelism's batch check, `
 @dataclass(kw_only=True)
 class Estimate:
     weights: dict = field(default_factory=dict)
+    backward_frees: bool = True
+    """Whether backward frees the activations as it makes the gradients (eager mode; ``pricing.peak_bytes``)."""
     forward_compute: float = 0.0
     backward_compute: float = 0.0
     optimizer: float = 0.0
@@ -60,7 +62,7 @@ class Estimate:
 
     @property
     def peak_memory(self) -> int:
-        return pricing.peak_bytes(self.memory)
+        return pricing.peak_bytes(self.memory, self.backward_frees)
 
 
 def _placements(spec):

@@ -309,7 +309,7 @@ class Executing:
                                  "gathered_for_backward": kept, "gradients": held, "gradients_in_flight": in_flight,
                                  "optimizer": est.ADAM_STATE_PER_PARAM * held,
                                  "activations": plan.memory_breakdown.get("activations", 0)}
-        plan.peak_memory = pricing.peak_bytes(plan.memory_breakdown)
+        plan.peak_memory = pricing.peak_bytes(plan.memory_breakdown, self.mode != "graph")
 
     def _gathered_nbytes(self, name: str, placements: tuple, dtype: torch.dtype | None) -> int:
         """Bytes of parameter ``name`` (or its gradient) in ``placements`` and ``dtype`` (None: its own)."""

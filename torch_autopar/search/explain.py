@@ -88,7 +88,8 @@ def explain(plan) -> str:
                  + (f" with the optimizer step's {_seconds(optimizer)}" if optimizer else "")
                  + f", exposed communication {_seconds(plan.exposed_comm_time)})")
     breakdown = ", ".join(f"{k} {_bytes(v)}" for k, v in plan.memory_breakdown.items())
-    at = f" as {pricing.peak_phase(plan.memory_breakdown)}s" if plan.pipeline_stages == 1 else ""
+    frees = plan.pipeline_stages == 1 and plan.search_stats.get("backward_frees", True)
+    at = f" as {pricing.peak_phase(plan.memory_breakdown)}s" if frees else ""
     lines.append(f"peak memory per device: {_bytes(plan.peak_memory)}{at} ({breakdown})")
     lines += _recompute_lines(plan)
     if plan.replicated_ops:

@@ -401,7 +401,7 @@ class Planner(Executing):
         flat_nbytes = {n: nbytes for flat in flat_grads or () for n, nbytes in flat.grad_nbytes.items()}
         if flat_grads:
             buckets = group_buckets(ready, self._reduced_first(flat_grads, grad_layout, placements))
-        estimate = est.Estimate(weights=self.weights)
+        estimate = est.Estimate(weights=self.weights, backward_frees=self.mode != "graph")
         if local_compute:  # each rank runs the one-process step on its 1/world of the batch
             est.add_compute(estimate, program, Sharding(specs={}), self.cost, scale=1.0 / self.mesh.size())
         else:
@@ -431,7 +431,8 @@ class Planner(Executing):
             replicated_ops=dict(sharding.replicated_ops), compute_time=estimate.compute,
             exposed_comm_time=estimate.exposed_comm, estimated_step_time=estimate.step_time,
             peak_memory=estimate.peak_memory, memory_breakdown=estimate.memory,
-            search_stats={"seed": strategy, "folded_layers": dict(fold.lengths), "optimizer_s": estimate.optimizer},
+            search_stats={"seed": strategy, "folded_layers": dict(fold.lengths), "optimizer_s": estimate.optimizer,
+                          "backward_frees": estimate.backward_frees},
             node_layouts=layouts, module_layouts={} if local_compute else modules.module_layouts(program, layouts),
             param_compute_placements={} if local_compute else self._real_params(modules.compute_layouts(program, layouts)),
             full_batch=self.full_batch, reshard_after_forward=self.reshard_after_forward,

@@ -218,7 +218,8 @@ class _Builder:
         self.followers: set[fx.Node] = set()
         self.id_cache: dict = {}
         self.matrix_cache: dict = {}
-        self.copies = [pricing.memory_copies(program, recomputed, phase) for phase in pricing.PEAK_PHASES]
+        self.copies = [pricing.memory_copies(program, recomputed, phase, backward_frees=mode != "graph")
+                       for phase in pricing.PEAK_PHASES]
         self.params = set(program.param_nodes.values())
         self.group_of = {program.param_nodes[name]: group
                          for name, group in param_gathers.gather_groups(program.param_nodes).items()}

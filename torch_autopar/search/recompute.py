@@ -41,7 +41,7 @@ def apply_choice(plan: Plan, layers: dict[str, str]) -> None:
     plan.memory_breakdown.update(pricing.recompute_memory(kept, rows, set(new)))
     if not plan.memory_breakdown["recomputed_layer"]:
         del plan.memory_breakdown["recomputed_layer"]
-    plan.peak_memory = pricing.peak_bytes(plan.memory_breakdown)
+    plan.peak_memory = pricing.peak_bytes(plan.memory_breakdown, plan.search_stats.get("backward_frees", True))
     plan.activation_checkpointing = dict(layers)
 
 
