@@ -280,13 +280,16 @@ def _one_process_grads() -> dict:
     return {name: p.grad for name, p in model.named_parameters()}
 
 
+def _assert_one_process_grads(grads: dict, what: str) -> None:
+    for name, grad in _one_process_grads().items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what} grad of {name}: {m}")
+
+
 def test_graph_mode_under_a_dispatch_mode_still_averages_gradients(job2):
     """A FLOP counter around a graph-mode step: dynamo runs the Python, eager mode's reducer averages."""
     world, results = job2
     for rank, result in enumerate(results):
-        for name, grad in _one_process_grads().items():
-            torch.testing.assert_close(result["dispatch_mode"][name], grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}/{world} grad of {name}: {m}")
+        _assert_one_process_grads(result["dispatch_mode"], f"rank {rank}/{world}")
 
 
 def test_sharded_graph_mode_under_a_dispatch_mode_names_the_cause_then_runs_its_program(job2):
@@ -297,18 +300,14 @@ def test_sharded_graph_mode_under_a_dispatch_mode_names_the_cause_then_runs_its_
         assert case["refused"].startswith("torch_autopar: could not capture MLP.forward under the dispatch mode")
         assert "make those calls outside the mode" in case["refused"] and "module_tracker" in case["refused"]
         assert case["flops"] > 0
-        for name, grad in _one_process_grads().items():
-            torch.testing.assert_close(case["grads"][name], grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}/{world} grad of {name}: {m}")
+        _assert_one_process_grads(case["grads"], f"rank {rank}/{world}")
 
 
 def test_default_strategy_averages_gradients_over_ranks(job2):
     world, results = job2
     for rank, result in enumerate(results):
         entry = result["default_strategy"]
-        for name, grad in _one_process_grads().items():
-            torch.testing.assert_close(entry["grads"][name], grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}/{world} grad of {name} ({entry['strategy']}): {m}")
+        _assert_one_process_grads(entry["grads"], f"rank {rank}/{world} ({entry['strategy']})")
 
 
 def _simulate_ddp_with_buffers(world):
