@@ -22,10 +22,10 @@ def llama():
         return Llama(CONFIG)
 
 
-def _plan(model, strategy, batch=16, solver="propagate", mesh=MESH):
+def _plan(model, strategy, batch=16, solver="propagate", mesh=MESH, **training):
     tokens = torch.empty(batch, 64, dtype=torch.long, device="meta")
     return autopar.plan(model, tokens, mesh_shape=mesh, hardware="h100", strategy=strategy, solver=solver,
-                        fold_layers=True)
+                        fold_layers=True, **training)
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +94,16 @@ def test_auto_in_the_fast_mode_says_when_no_named_layout_splits_the_batch(llama,
     # a batch of 4 splits over tensor_parallel's and fsdp_tp's 4 pieces, not data parallelism's 16
     chosen = _plan(llama, "auto", batch=4)
     assert chosen.search_stats["seed"] in ("tensor_parallel", "fsdp_tp"), chosen.search_stats
+
+
+def test_mixed_precision_gathers_each_parameter_cast_to_bf16(llama, propagated):
+    """A fully-sharded parameter under a bf16 policy is cast on its shard and the cast gathered, as FSDP2 and both
+    runtimes do: every parameter gather moves half the bytes of fp32 training's, over the same axes."""
+    def gathers(plan):
+        return sorted((c.where, c.axis, c.phase, c.nbytes * c.count) for c in plan.collectives
+                      if c.kind == "all_gather" and c.phase != "grad_sync")  # gradients: in the reduce dtype, fp32
+
+    fp32, bf16 = propagated["fsdp_tp"], _plan(llama, "fsdp_tp", mixed_precision="bf16")
+    assert len(gathers(bf16)) == len(gathers(fp32)) > 0
+    assert sum(g[-1] for g in gathers(bf16)) * 2 == sum(g[-1] for g in gathers(fp32))
+    assert {g[1:3] for g in gathers(bf16)} == {g[1:3] for g in gathers(fp32)}
