@@ -106,3 +106,8 @@ def test_offline_plan_refuses_a_plan_for_another_model_or_mesh(mismatch):
 def test_plan_checks_its_arguments(kwargs, pattern):
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: .*" + pattern):
         autopar.plan(MLP(), _x(), **kwargs)
+
+
+def test_plan_needs_a_batch():
+    with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: plan\(\) needs one global batch .* found neither"):
+        autopar.plan(MLP(), mesh_shape=(2,))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
 import pickle
 import re
 from typing import Any, Callable
@@ -682,6 +683,69 @@ def _redistribute_as_required(op_call, args: tuple, kwargs: dict) -> tuple:
         if isinstance(arg, DTensor) and isinstance(spec, DTensorSpec) and tuple(arg.placements) != tuple(spec.placements):
             moved[index] = arg.redistribute(arg.device_mesh, spec.placements)
     return tuple(moved)
+
+
+PROPAGATION_MAY_FAIL = ("_grouped_mm",)
+"""aten ops whose meta kernel, which DTensor's sharding propagation runs, refuses inputs their CPU kernel takes:
+``_grouped_mm``'s asks for bf16, and transformers' mixture-of-experts layers (Mixtral, Qwen-MoE) call it in fp32
+on CPU outside a compiler (``run_replicated_where_propagation_fails``)."""
+
+
+def run_replicated_where_propagation_fails() -> None:
+    """For the ``PROPAGATION_MAY_FAIL`` ops: where DTensor's sharding propagation raises on the arguments, run the
+    op on whole local tensors (every DTensor argument replicated first, the outputs replicated DTensors), as the
+    replicated fallback of an op without a rule does; elsewhere DTensor runs it as usual. Idempotent."""
+    dispatcher = DTensor._op_dispatcher
+    for name in PROPAGATION_MAY_FAIL:
+        op = getattr(torch.ops.aten, name).default
+        if op in dispatcher._custom_op_handlers:
+            continue
+
+        def handler(op_call, args, kwargs):
+            if not _propagates(op_call, args, kwargs):
+                return _replicated_local_call(op_call, args, kwargs)
+            handler_now = dispatcher._custom_op_handlers.pop(op_call)
+            try:
+                return op_call(*args, **kwargs)
+            finally:
+                dispatcher._custom_op_handlers[op_call] = handler_now
+
+        dispatcher._custom_op_handlers[op] = handler
+
+
+_UNPROPAGATED: set = set()
+"""(op, argument dtypes and devices) DTensor's propagation failed on: not tried again."""
+
+
+def _propagates(op_call, args: tuple, kwargs: dict) -> bool:
+    """Whether DTensor's sharding propagation handles ``op_call`` on these arguments (the fake-tensor log of a
+    meta kernel that refuses them is silenced: the op then runs replicated, which is not an error)."""
+    key = (op_call, tuple((a.dtype, a.device.type) for a in pytree().tree_leaves((args, kwargs))
+                          if isinstance(a, torch.Tensor)))
+    if key in _UNPROPAGATED:
+        return False
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, fake_log.disabled = fake_log.disabled, True
+    try:
+        op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+        DTensor._op_dispatcher.sharding_propagator.propagate(op_info)
+        return True
+    except RuntimeError:
+        _UNPROPAGATED.add(key)
+        return False
+    finally:
+        fake_log.disabled = disabled
+
+
+def _replicated_local_call(op_call, args: tuple, kwargs: dict):
+    """``op_call`` on whole local tensors: every DTensor argument replicated (partial sums reduced), the tensor
+    outputs replicated DTensors on the arguments' mesh."""
+    mesh = next(a.device_mesh for a in pytree().tree_leaves((args, kwargs)) if isinstance(a, DTensor))
+    whole = [Replicate()] * mesh.ndim
+    local_args, local_kwargs = pytree().tree_map_only(
+        DTensor, lambda a: a.redistribute(mesh, whole).to_local(), (args, kwargs))
+    out = op_call(*local_args, **local_kwargs)
+    return pytree().tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, mesh, whole, run_check=False), out)
 
 
 def fix_empty_cat_redistribution() -> None:

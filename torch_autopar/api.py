@@ -88,12 +88,15 @@ def _plan_on_mesh(module, args, kwargs, mesh, *, batch_factor, strategy, hardwar
     return result
 
 
-def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h100", strategy="auto",
+def plan(model: torch.nn.Module, example_inputs=None, *, mesh_shape=(1,), hardware="h100", strategy="auto",
          memory_budget=None, axis_names=None, example_kwargs=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, solver: str = "auto", fold_layers: bool = True,
          pipeline=None, microbatches=None, schedule=None, mixed_precision=None, mode=None,
          full_batch: bool = False, reshard_after_forward: bool | str = True, activation_checkpointing=None) -> Plan:
     """Plan ``model`` for one global batch ``example_inputs`` on a mesh you need not have (meta tensors OK).
+
+    example_inputs / example_kwargs: the batch's positional and keyword inputs (a model called with keywords
+    only, as ``transformers`` models are, takes ``example_kwargs=`` alone).
 
     hardware: as in ``compile`` ("measured" measures this process's device once and caches it).
     mode: the mode the plan will run in ("eager" or "graph"; None: the global mode). The plan is priced as it
@@ -115,6 +118,10 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), hardware="h
 
     pipeline="auto" plans ``strategy`` without a pipeline too and returns the faster of the two that fits."""
     check_strategy(strategy)
+    if example_inputs is None and not example_kwargs:
+        raise AutoparError("plan() needs one global batch to plan for, as example_inputs (positional inputs) or "
+                           "example_kwargs (keyword inputs); found neither. Pass e.g. autopar.plan(model, "
+                           "torch.empty(batch, features, device='meta')) or example_kwargs={'input_ids': ...}.")
     if mode is not None and mode not in MODES:
         raise AutoparError(f"mode={mode!r}: expected one of {MODES} or None (the global mode).")
     recompute.check_policy(activation_checkpointing)

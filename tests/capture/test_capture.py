@@ -156,6 +156,10 @@ def test_plan_with_example_kwargs():
                         mesh_shape=(4,), strategy="data_parallel")
     assert plan.global_batch == 8
     assert sorted(plan.param_placements) == sorted(n for n, _ in KeywordsToDict().named_parameters())
+    keywords_only = autopar.plan(KeywordsToDict(), example_kwargs={"x": x, "mask": mask, "scale": torch.tensor(1.0)},
+                                 mesh_shape=(4,), strategy="data_parallel")  # as transformers models are called
+    assert keywords_only.global_batch == 8
+    assert keywords_only.param_placements == plan.param_placements
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])

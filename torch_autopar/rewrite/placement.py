@@ -68,6 +68,7 @@ def distribute_parameters(module: torch.nn.Module, mesh: DeviceMesh, plan: Plan)
     _compat.fix_convolution_redistribution()
     _compat.fix_inplace_redistribution()
     _compat.fix_empty_cat_redistribution()
+    _compat.run_replicated_where_propagation_fails()
     _compat.prefer_early_partial_reduction()
     placed: dict[int, torch.nn.Parameter] = {}
     for owner_name, owner in module.named_modules():

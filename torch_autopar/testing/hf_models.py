@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import torch
 
-HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "bert", "t5", "vit")
+HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "bert", "t5", "vit")
+DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
+            "mixtral": "MixtralForCausalLM"}
+"""The causal language models built from ``_decoder_config`` (the class name in ``transformers``)."""
 VOCAB = 128
 SEQ = 16
 IMAGE = 16
@@ -21,8 +25,16 @@ def _decoder_config(kind: str, layers: int, width: int):
     common = dict(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   attention_dropout=0.0, tie_word_embeddings=False)
+    if kind in ("qwen3", "gemma2"):
+        common["head_dim"] = width // 4
+    if kind == "phi3":  # its default padding token (32000) lies outside the small vocabulary
+        common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "mixtral":  # a mixture of experts: 4 experts, each token routed to 2
+        common.update(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                    "qwen2": transformers.Qwen2Config}[kind]
+                    "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                    "gemma2": transformers.Gemma2Config, "phi3": transformers.Phi3Config,
+                    "mixtral": transformers.MixtralConfig}[kind]
     return config_class(**common)
 
 
@@ -36,9 +48,8 @@ def build_hf_model(name: str, seed: int = 0, *, layers: int = 2, width: int = 64
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=width, n_layer=layers, n_head=4,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = transformers.GPT2LMHeadModel(config)
-    elif name in ("llama", "mistral", "qwen2"):
-        model = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM}[name](_decoder_config(name, layers, width))
+    elif name in DECODERS:
+        model = getattr(transformers, DECODERS[name])(_decoder_config(name, layers, width))
     elif name == "bert":
         config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers,
                                          num_attention_heads=4, intermediate_size=2 * width, max_position_embeddings=64,
