@@ -1,12 +1,12 @@
-"""The models people bring: ``transformers``' GPT-2, LLaMA (grouped-query attention), Mistral, Qwen2, Qwen3, Gemma 2,
-Phi-3, Mixtral (a mixture of experts), BERT, T5 and ViT, built from small configs (no download) and called as their
-docs show (``model(**batch).loss``).
+"""The models people bring: ``transformers``' GPT-2, LLaMA (grouped-query attention), Mistral, Qwen2, Qwen3,
+Gemma 2, Phi-3, Mixtral and DeepSeek-V3 (mixtures of experts), BERT, T5 and ViT, built from small configs (no
+download) and called as their docs show (``model(**batch).loss``).
 
 Every model captures in one process (dynamo front end, as torch.export: library code guarded by
 ``torch.compiler.is_compiling()`` takes its compiler path). On 2 gloo ranks each strategy (data_parallel,
 fully_shard, tensor_parallel, auto) in eager and graph mode trains 3 AdamW steps and must equal one process:
 losses 1e-5 relative, full parameters rtol 1e-4 / atol 1e-5. One representative set runs by default; the full
-matrix (11 models x 4 strategies x 2 modes) runs with ``-m slow``. One spawned 2-rank job per model runs all
+matrix (12 models x 4 strategies x 2 modes) runs with ``-m slow``. One spawned 2-rank job per model runs all
 of that model's cases.
 """
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "bert", "t5", "vit")
+HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "deepseek_v3", "bert", "t5",
+             "vit")
 DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
-            "mixtral": "MixtralForCausalLM"}
+            "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 """The causal language models built from ``_decoder_config`` (the class name in ``transformers``)."""
 VOCAB = 128
 SEQ = 16
@@ -31,10 +32,15 @@ def _decoder_config(kind: str, layers: int, width: int):
         common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if kind == "mixtral":  # a mixture of experts: 4 experts, each token routed to 2
         common.update(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
+    if kind == "deepseek_v3":  # multi-head latent attention (as many key/value heads as query heads), a dense
+        # first layer, then 4 routed experts (top-2) and a shared one
+        common.update(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                      v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=width,
+                      n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                     "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                     "gemma2": transformers.Gemma2Config, "phi3": transformers.Phi3Config,
-                    "mixtral": transformers.MixtralConfig}[kind]
+                    "mixtral": transformers.MixtralConfig, "deepseek_v3": transformers.DeepseekV3Config}[kind]
     return config_class(**common)
 
 
