@@ -111,3 +111,5 @@ def test_plan_checks_its_arguments(kwargs, pattern):
 def test_plan_needs_a_batch():
     with pytest.raises(autopar.AutoparError, match=r"^torch_autopar: plan\(\) needs one global batch .* found neither"):
         autopar.plan(MLP(), mesh_shape=(2,))
+    with pytest.raises(autopar.AutoparError, match=r"found neither \(or an empty tuple\)"):
+        autopar.plan(MLP(), (), mesh_shape=(2,))

@@ -13,6 +13,7 @@ import inspect
 import logging
 import pickle
 import re
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -714,24 +715,26 @@ def run_replicated_where_propagation_fails() -> None:
 
 
 _UNPROPAGATED: set = set()
-"""(op, argument dtypes and devices) DTensor's propagation failed on: not tried again."""
+"""The argument schemas (op, placements, shapes) DTensor's propagation failed on: not tried again."""
 
 
 def _propagates(op_call, args: tuple, kwargs: dict) -> bool:
-    """Whether DTensor's sharding propagation handles ``op_call`` on these arguments (the fake-tensor log of a
-    meta kernel that refuses them is silenced: the op then runs replicated, which is not an error)."""
-    key = (op_call, tuple((a.dtype, a.device.type) for a in pytree().tree_leaves((args, kwargs))
-                          if isinstance(a, torch.Tensor)))
-    if key in _UNPROPAGATED:
+    """Whether DTensor's sharding propagation handles ``op_call`` on these arguments. The fake-tensor log of a
+    meta kernel that refuses them is silenced; the op then runs replicated (correct, as slow as one device),
+    which a warning says once per argument schema."""
+    op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    if op_info.schema in _UNPROPAGATED:
         return False
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     disabled, fake_log.disabled = fake_log.disabled, True
     try:
-        op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
         DTensor._op_dispatcher.sharding_propagator.propagate(op_info)
         return True
-    except RuntimeError:
-        _UNPROPAGATED.add(key)
+    except Exception as error:  # any failure of the rule or of its meta kernel: run replicated instead
+        _UNPROPAGATED.add(op_info.schema)
+        warnings.warn(f"torch_autopar: DTensor cannot place {op_call} on {op_info.schema} ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0][:200]}); it runs on replicated whole tensors instead (correct, "
+                      "as slow as one device).", stacklevel=2)
         return False
     finally:
         fake_log.disabled = disabled

@@ -98,7 +98,8 @@ def test_auto_in_the_fast_mode_says_when_no_named_layout_splits_the_batch(llama,
 
 def test_mixed_precision_gathers_each_parameter_cast_to_bf16(llama, propagated):
     """A fully-sharded parameter under a bf16 policy is cast on its shard and the cast gathered, as FSDP2 and both
-    runtimes do: every parameter gather moves half the bytes of fp32 training's, over the same axes."""
+    runtimes do: the forward and backward gathers (the parameters', and the activations', bf16 too under the
+    policy) move half the bytes of fp32 training's, over the same axes."""
     def gathers(plan):
         return sorted((c.where, c.axis, c.phase, c.nbytes * c.count) for c in plan.collectives
                       if c.kind == "all_gather" and c.phase != "grad_sync")  # gradients: in the reduce dtype, fp32

@@ -151,7 +151,7 @@ class Planner(Executing):
         matrices = megatron_splits(self.program) if "tp" in roles else MegatronMatrices({}, frozenset())
         seeds = role_seeds(self.program, roles, shape, matrices.splits)
         params = {name: seeds[node] for name, node in self.program.param_nodes.items()}
-        gathered = gathered_at_use(self.program, roles, seeds)
+        gathered = gathered_at_use(self.program, roles, seeds, self.param_dtype)
         sharding = self._propagation(("roles", strategy), seeds, gathered, matrices.held,
                                      split_matrix_grads(self.program, roles, shape, matrices.splits))
         return self._plan(strategy, sharding, params)

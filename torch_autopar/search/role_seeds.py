@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from torch_autopar.capture import CapturedProgram
+from torch_autopar.capture.layers import CASTS
 
 aten = torch.ops.aten
 _VIEWS = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
@@ -89,15 +90,22 @@ def role_seeds(program: CapturedProgram, roles: tuple[str, ...], mesh_shape: tup
     return seeds
 
 
-def gathered_at_use(program: CapturedProgram, roles: tuple[str, ...], seeds: dict) -> dict:
+def gathered_at_use(program: CapturedProgram, roles: tuple[str, ...], seeds: dict,
+                    cast_dtype: torch.dtype | None = None) -> dict:
     """Parameter node → the layout each of its uses gathers it to: replicated on the fsdp axes, as stored on the
-    others (only parameters stored split on some fsdp axis)."""
+    others (only parameters stored split on some fsdp axis). Under a mixed-precision policy (``cast_dtype``, its
+    param_dtype) a parameter's cast to that dtype is what is gathered, at the cast's uses, and the cast takes
+    the shard: FSDP2 and both runtimes gather the cast copy, in its (smaller) dtype."""
     gathered = {}
     for node in program.param_nodes.values():
         stored = seeds[node]
         used = tuple(Replicate() if role == "fsdp" else p for role, p in zip(roles, stored))
-        if used != tuple(stored):
-            gathered[node] = used
+        if used == tuple(stored):
+            continue
+        gathered[node] = used
+        for user in node.users:
+            if cast_dtype is not None and user.target in CASTS and user.meta["val"].dtype == cast_dtype:
+                gathered[user] = used
     return gathered
 
 

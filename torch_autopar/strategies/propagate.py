@@ -20,7 +20,6 @@ from torch.distributed.tensor import Replicate
 
 from torch_autopar import _compat
 from torch_autopar.capture import CapturedProgram
-from torch_autopar.capture.layers import CASTS
 from torch_autopar.capture.program import tensor_nbytes
 from torch_autopar.strategies import boundary
 from torch_autopar.strategies.placements import parse_placements, spec_for
@@ -75,9 +74,9 @@ class _Propagator:
     def __init__(self, program: CapturedProgram, mesh: DeviceMesh, seeds: dict, pins: ModulePins | None = None,
                  gathered: dict | None = None, pinned: frozenset = frozenset(), grad_outputs: dict | None = None):
         self.program, self.mesh, self.seeds, self.pins = program, mesh, seeds, pins
-        self.gathered = dict(gathered or {})
-        """Placeholder → the placements each of its uses moves it to (a fully-sharded parameter's gather); a
-        mixed-precision cast of one takes the shard and is gathered at its own uses instead, in its dtype."""
+        self.gathered = gathered or {}
+        """Node → the placements each of its uses moves it to (a fully-sharded parameter's gather, or that of its
+        mixed-precision cast, which then takes the parameter's shard)."""
         self.pinned = pinned
         """Nodes whose consumers take them in the layout they have: where DTensor's rule would move one, the
         cheapest strategy that does not is chosen, and the other inputs move (tensor parallelism's matrices)."""
@@ -155,10 +154,8 @@ class _Propagator:
     def _used_by(self, value: fx.Node, user: fx.Node):
         """``value``'s spec as ``user`` receives it, gathered first where ``gathered`` says so (once per use)."""
         spec, wanted = self._seen_by(value, user), self.gathered.get(value)
-        if wanted is None or not isinstance(spec, _compat.DTensorSpec) or tuple(spec.placements) == wanted:
-            return spec
-        if _casts_down(user):  # mixed precision: the shard is cast and the cast gathered (FSDP2, our runtimes)
-            self.gathered[user] = wanted
+        if wanted is None or not isinstance(spec, _compat.DTensorSpec) or tuple(spec.placements) == wanted \
+                or user in self.gathered:  # a use that is gathered itself (a parameter's cast) takes the shard
             return spec
         self.result.redistributions.append(Redistribution(
             node=user.name, arg_index=user.all_input_nodes.index(value), source=tuple(spec.placements),
@@ -353,15 +350,6 @@ def tangent_placements(output_placements) -> tuple:
     """The layout of an output's gradient: as the output's, except that the gradient of a partial sum is
     replicated (what DTensor's backward of a redistribution hands back)."""
     return tuple(Replicate() if p.is_partial() else p for p in output_placements)
-
-
-def _casts_down(node: fx.Node) -> bool:
-    """Whether ``node`` casts its one input to a dtype of no more bytes (a mixed-precision cast of a parameter)."""
-    inputs, value = node.all_input_nodes, node.meta.get("val")
-    if node.target not in CASTS or len(inputs) != 1 or not isinstance(value, torch.Tensor):
-        return False
-    source = inputs[0].meta.get("val")
-    return isinstance(source, torch.Tensor) and value.dtype.itemsize <= source.dtype.itemsize
 
 
 def propagate(program: CapturedProgram, mesh: DeviceMesh, seeds: dict, pins: ModulePins | None = None,

@@ -28,6 +28,8 @@ def _decoder_config(kind: str, layers: int, width: int):
                   attention_dropout=0.0, tie_word_embeddings=False)
     if kind in ("qwen3", "gemma2"):
         common["head_dim"] = width // 4
+    if kind == "gemma2":  # its attention scale from the head dim; every other layer's window shorter than SEQ
+        common.update(query_pre_attn_scalar=width // 4, sliding_window=SEQ // 2)
     if kind == "phi3":  # its default padding token (32000) lies outside the small vocabulary
         common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if kind == "mixtral":  # a mixture of experts: 4 experts, each token routed to 2
