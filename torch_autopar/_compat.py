@@ -686,6 +686,16 @@ def _redistribute_as_required(op_call, args: tuple, kwargs: dict) -> tuple:
     return tuple(moved)
 
 
+def _without_handler(op_call, args: tuple, kwargs: dict):
+    """``op_call`` on DTensors as DTensor runs it, the custom handler installed for it set aside meanwhile."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op_call)
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        handlers[op_call] = handler
+
+
 PROPAGATION_MAY_FAIL = ("_grouped_mm",)
 """aten ops whose meta kernel, which DTensor's sharding propagation runs, refuses inputs their CPU kernel takes:
 ``_grouped_mm``'s asks for bf16, and transformers' mixture-of-experts layers (Mixtral, Qwen-MoE) call it in fp32
@@ -705,11 +715,7 @@ def run_replicated_where_propagation_fails() -> None:
         def handler(op_call, args, kwargs):
             if not _propagates(op_call, args, kwargs):
                 return _replicated_local_call(op_call, args, kwargs)
-            handler_now = dispatcher._custom_op_handlers.pop(op_call)
-            try:
-                return op_call(*args, **kwargs)
-            finally:
-                dispatcher._custom_op_handlers[op_call] = handler_now
+            return _without_handler(op_call, args, kwargs)
 
         dispatcher._custom_op_handlers[op] = handler
 
@@ -793,11 +799,7 @@ def fix_inplace_redistribution() -> None:
 
         def handler(op_call, args, kwargs, written=written):
             moved = _redistribute_as_required(op_call, args, kwargs)
-            handler_now = dispatcher._custom_op_handlers.pop(op_call)
-            try:
-                out = op_call(*moved, **kwargs)
-            finally:
-                dispatcher._custom_op_handlers[op_call] = handler_now
+            out = _without_handler(op_call, moved, kwargs)
             for index in written:
                 before, after = args[index], moved[index]
                 if after is not before and isinstance(before, DTensor):
@@ -896,11 +898,7 @@ def redistribute_keyword_tensors(op, wanted_placements: Callable) -> None:
             wanted_args = _wanted_positional_placements(op_call, args, kwargs)
             kwargs = {name: value.redistribute(value.device_mesh, wanted_placements(name, value, args, wanted_args))
                       if isinstance(value, DTensor) else value for name, value in kwargs.items()}
-        handler_now = dispatcher._custom_op_handlers.pop(op_call)
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            dispatcher._custom_op_handlers[op_call] = handler_now
+        return _without_handler(op_call, args, kwargs)
 
     dispatcher._custom_op_handlers[op] = handler
 
