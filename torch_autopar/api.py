@@ -120,8 +120,9 @@ def plan(model: torch.nn.Module, example_inputs=None, *, mesh_shape=(1,), hardwa
     check_strategy(strategy)
     if not _as_tuple(example_inputs) and not example_kwargs and not isinstance(strategy, Plan):
         raise AutoparError("plan() needs one global batch to plan for, as example_inputs (positional inputs) or "
-                           "example_kwargs (keyword inputs); found neither (or an empty tuple). Pass e.g. autopar.plan(model, "
-                           "torch.empty(batch, features, device='meta')) or example_kwargs={'input_ids': ...}.")
+                           "example_kwargs (keyword inputs); found neither (or an empty tuple). Pass e.g. "
+                           "autopar.plan(model, torch.empty(batch, features, device='meta')) or "
+                           "example_kwargs={'input_ids': ...}.")
     if mode is not None and mode not in MODES:
         raise AutoparError(f"mode={mode!r}: expected one of {MODES} or None (the global mode).")
     recompute.check_policy(activation_checkpointing)

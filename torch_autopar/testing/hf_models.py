@@ -14,7 +14,8 @@ HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "mi
 DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
             "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-"""The causal language models built from ``_decoder_config`` (the class name in ``transformers``)."""
+"""The causal language models built from ``_decoder_config``: the class name in ``transformers`` (its config class
+is named alike, ending in ``Config``)."""
 VOCAB = 128
 SEQ = 16
 IMAGE = 16
@@ -39,11 +40,7 @@ def _decoder_config(kind: str, layers: int, width: int):
         common.update(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                       v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=width,
                       n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
-    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                    "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-                    "gemma2": transformers.Gemma2Config, "phi3": transformers.Phi3Config,
-                    "mixtral": transformers.MixtralConfig, "deepseek_v3": transformers.DeepseekV3Config}[kind]
-    return config_class(**common)
+    return getattr(transformers, DECODERS[kind].replace("ForCausalLM", "Config"))(**common)
 
 
 def build_hf_model(name: str, seed: int = 0, *, layers: int = 2, width: int = 64) -> torch.nn.Module:
